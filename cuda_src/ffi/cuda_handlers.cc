@@ -1,0 +1,47 @@
+// CUDA FFI handlers. They live in a plain C-ABI shared library (no Python
+// inside), so one build serves every Python version; jax_flash loads it with
+// ctypes and registers the exported symbols below.
+#include <cuda_runtime.h>
+
+#include "attention_ffi.h"
+
+namespace jax_flash {
+namespace {
+
+ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> o,
+                   ffi::Result<ffi::AnyBuffer> lse, float scale, int32_t diag_offset,
+                   int32_t window_left, int32_t window_right) {
+  auto launch = [stream](const JfFwdArgs& args) {
+    return CallKernel(
+        [&](char* err, size_t n) { return jax_flash_fwd_sm80(&args, stream, err, n); });
+  };
+  return AttentionForward(launch, q, k, v, q_lens, kv_lens, o, lse, scale, diag_offset,
+                          window_left, window_right);
+}
+
+ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer delta,
+                   ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
+                   ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> dk,
+                   ffi::Result<ffi::AnyBuffer> dv, float scale, int32_t diag_offset,
+                   int32_t window_left, int32_t window_right) {
+  auto launch = [stream](const JfBwdArgs& args) {
+    return CallKernel(
+        [&](char* err, size_t n) { return jax_flash_bwd_sm80(&args, stream, err, n); });
+  };
+  return AttentionBackward(launch, q, k, v, dout, lse, delta, q_lens, kv_lens, dq_accum, dk, dv,
+                           scale, diag_offset, window_left, window_right);
+}
+
+}  // namespace
+}  // namespace jax_flash
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFlashFwdCuda, jax_flash::FwdCuda,
+    jax_flash::BindForward(
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFlashBwdCuda, jax_flash::BwdCuda,
+    jax_flash::BindBackward(
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));

@@ -1,0 +1,101 @@
+// The C ABI between the attention kernels and their callers.
+//
+// Every backend (CPU, sm80 CuTe DSL, later sm90) implements the same two entry
+// points over these argument structs. The XLA FFI handlers fill them from
+// buffers; tests and benchmarks can also call them directly through ctypes.
+//
+// Layouts (all row-major, contiguous):
+//   q        [batch, seqlen_q, heads_q,  head_dim]
+//   k        [batch, seqlen_k, heads_kv, head_dim]
+//   v        [batch, seqlen_k, heads_kv, head_dim_v]
+//   o, dout  [batch, seqlen_q, heads_q,  head_dim_v]
+//   lse      [batch, heads_q, seqlen_q]  float32, natural log; -inf for a row
+//                                        that sees no key
+//   delta    [batch, heads_q, seqlen_q]  float32, rowsum(dout * o) - dlse
+//   q_lens, kv_lens [batch] int32        valid prefix of each sequence
+//   dq_accum [batch, seqlen_q, heads_q, head_dim] float32, final (scaled) dQ
+//   dk, dv   like k, v, in the input dtype
+//
+// Query head h reads key/value head h / (heads_q / heads_kv).
+//
+// Mask: query row i (0-based) may attend to key column j iff
+//   i < q_lens[b] and j < kv_lens[b] and
+//   (window_left  < 0 or j >= i + diag_offset - window_left) and
+//   (window_right < 0 or j <= i + diag_offset + window_right).
+// Causal is window_right = 0; FlashAttention's bottom-right alignment is
+// diag_offset = seqlen_k - seqlen_q, jax.nn's top-left alignment is 0.
+// A query row that sees no key writes zeros to o and -inf to lse; its
+// gradients are zero.
+#ifndef JAX_FLASH_KERNEL_API_H_
+#define JAX_FLASH_KERNEL_API_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum JfDtype {
+  JF_FLOAT16 = 0,
+  JF_BFLOAT16 = 1,
+  JF_FLOAT32 = 2,
+} JfDtype;
+
+typedef struct JfProblem {
+  JfDtype dtype;
+  int32_t batch;
+  int32_t seqlen_q;
+  int32_t seqlen_k;
+  int32_t heads_q;
+  int32_t heads_kv;
+  int32_t head_dim;
+  int32_t head_dim_v;
+  float scale;  // multiplies q.k before the softmax
+  int32_t diag_offset;
+  int32_t window_left;   // < 0: unbounded
+  int32_t window_right;  // < 0: unbounded
+} JfProblem;
+
+typedef struct JfFwdArgs {
+  JfProblem problem;
+  const void* q;
+  const void* k;
+  const void* v;
+  const int32_t* q_lens;
+  const int32_t* kv_lens;
+  void* o;
+  float* lse;
+} JfFwdArgs;
+
+typedef struct JfBwdArgs {
+  JfProblem problem;
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* dout;
+  const float* lse;
+  const float* delta;
+  const int32_t* q_lens;
+  const int32_t* kv_lens;
+  float* dq_accum;
+  void* dk;
+  void* dv;
+} JfBwdArgs;
+
+// Return 0 on success. On failure return non-zero and write a NUL-terminated
+// message of at most err_len bytes into err. GPU entry points enqueue work on
+// `stream` (a cudaStream_t) and never synchronise the host or allocate.
+// jax_flash_bwd_* zero dq_accum themselves (on the stream, for the GPU).
+int jax_flash_fwd_cpu(const JfFwdArgs* args, char* err, size_t err_len);
+int jax_flash_bwd_cpu(const JfBwdArgs* args, char* err, size_t err_len);
+int jax_flash_fwd_sm80(const JfFwdArgs* args, void* stream, char* err,
+                       size_t err_len);
+int jax_flash_bwd_sm80(const JfBwdArgs* args, void* stream, char* err,
+                       size_t err_len);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif  // JAX_FLASH_KERNEL_API_H_

@@ -1,0 +1,175 @@
+"""The public attention functions."""
+
+import jax
+import jax.numpy as jnp
+
+from jax_flash import configs, ffi, reference, validation, vjp
+
+
+def _platform_of(*arrays) -> str:
+  """The platform the computation runs on: the device of concrete inputs,
+  else (inside ``jit``) JAX's default backend."""
+  for x in arrays:
+    if isinstance(x, jax.Array):
+      try:
+        return next(iter(x.devices())).platform
+      except Exception:  # a tracer has no devices
+        continue
+  return jax.default_backend()
+
+
+def _gpu_unavailable_reason() -> str | None:
+  if not ffi.cuda_kernels_available():
+    return "this installation holds no CUDA kernels (it was built without nvcc)"
+  capability = ffi.gpu_compute_capability()
+  if capability is None:
+    return "no CUDA GPU is visible to JAX"
+  if capability < (8, 0):
+    return f"the GPU kernels need compute capability >= 8.0, got {capability[0]}.{capability[1]}"
+  return None
+
+
+def select_backend(implementation, platform: str, dtype, shapes: validation.Shapes) -> str:
+  """Returns "cpu", "gpu" or "xla" for a call; see ``attention``."""
+  if implementation == "xla":
+    return "xla"
+  requested = implementation if implementation in ("cpu", "gpu") else platform
+  if requested not in configs.BACKENDS:
+    reason = f"jax_flash has no kernels for platform {platform!r}"
+  elif requested == "gpu" and (reason := _gpu_unavailable_reason()):
+    pass
+  else:
+    reason = configs.BACKENDS[requested].unsupported_reason(dtype, shapes.head_dim,
+                                                            shapes.head_dim_v)
+  if reason is None:
+    return requested
+  if implementation is None:
+    return "xla"
+  raise NotImplementedError(f"implementation={implementation!r}: {reason}")
+
+
+def _attention(q, k, v, shapes, *, scale, diag_offset, window_left, window_right, q_lens,
+               kv_lens, implementation):
+  backend = select_backend(implementation, _platform_of(q, k, v), jnp.result_type(q), shapes)
+  empty = 0 in (shapes.batch, shapes.seq_q, shapes.seq_k, shapes.heads_q)
+  if backend == "xla" or empty:
+    return reference.attention_reference(
+        q, k, v, scale=scale, diag_offset=diag_offset, window_left=window_left,
+        window_right=window_right, q_lens=q_lens, kv_lens=kv_lens)
+  if q_lens is None:
+    q_lens = jnp.full((shapes.batch,), shapes.seq_q, jnp.int32)
+  if kv_lens is None:
+    kv_lens = jnp.full((shapes.batch,), shapes.seq_k, jnp.int32)
+  call = ffi.KernelCall(backend=backend, scale=scale, diag_offset=diag_offset,
+                        window_left=window_left, window_right=window_right)
+  return vjp.flash_attention(q, k, v, q_lens, kv_lens, call)
+
+
+def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None = None,
+              query_seq_lengths=None, key_value_seq_lengths=None, return_lse: bool = False,
+              implementation: str | None = None):
+  """FlashAttention: ``softmax(scale * q k^T + mask) v`` without the score matrix.
+
+  Args:
+    q: queries ``[batch, seq_q, heads_q, head_dim]``.
+    k: keys ``[batch, seq_k, heads_kv, head_dim]``; ``heads_q`` must be a
+      multiple of ``heads_kv`` (GQA; MQA when ``heads_kv == 1``).
+    v: values ``[batch, seq_k, heads_kv, head_dim_v]``.
+    causal: mask keys after the query. For ``seq_q != seq_k`` the diagonal is
+      aligned bottom-right, as in FlashAttention: query ``i`` sees key ``j``
+      when ``j <= i + seq_k - seq_q``, so the last query sees every key (the
+      decoding convention). Query rows that see no key output zeros.
+    window: ``(left, right)`` sliding window around that same diagonal:
+      query ``i`` sees keys ``i + seq_k - seq_q - left ... i + seq_k - seq_q
+      + right``. ``None`` on a side (or for the whole window) is unbounded; an
+      int is a symmetric window. Combines with ``causal``.
+    scale: logit scale, ``1/sqrt(head_dim)`` by default.
+    query_seq_lengths: optional int32 ``[batch]``; query rows past the length
+      output zeros and get zero gradients.
+    key_value_seq_lengths: optional int32 ``[batch]``; keys past the length
+      are masked.
+    return_lse: also return the log-sum-exp of the scaled, masked logits,
+      float32 ``[batch, heads_q, seq_q]`` (``-inf`` for rows that see no key).
+    implementation: ``None`` (default) runs the kernels of the platform the
+      inputs live on (CPU or CUDA GPU) and falls back to plain XLA for cases
+      those kernels do not cover; ``"flash"`` does the same but raises
+      ``NotImplementedError`` instead of falling back; ``"cpu"`` / ``"gpu"``
+      force one kernel backend; ``"xla"`` is the plain XLA composition.
+
+  Returns:
+    ``out [batch, seq_q, heads_q, head_dim_v]``, or ``(out, lse)``.
+  """
+  validation.check_implementation(implementation)
+  shapes = validation.check_qkv(q, k, v)
+  scale = validation.check_scale(scale, shapes.head_dim)
+  window_left, window_right = validation.check_window(window, "window")
+  if causal:
+    window_right = 0 if window_right < 0 else min(window_right, 0)
+  out, lse = _attention(
+      q, k, v, shapes, scale=scale, diag_offset=shapes.seq_k - shapes.seq_q,
+      window_left=window_left, window_right=window_right,
+      q_lens=validation.check_lengths(query_seq_lengths, "query_seq_lengths", shapes.batch),
+      kv_lens=validation.check_lengths(key_value_seq_lengths, "key_value_seq_lengths",
+                                       shapes.batch),
+      implementation=implementation)
+  return (out, lse) if return_lse else out
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
+                          is_causal: bool = False, query_seq_lengths=None,
+                          key_value_seq_lengths=None, local_window_size=None,
+                          implementation=None, return_residual: bool = False):
+  """A drop-in replacement for ``jax.nn.dot_product_attention``.
+
+  Same arguments, defaults and layouts (``BTNH`` or ``TNH``; causal and window
+  masks aligned top-left as in ``jax.nn``). ``implementation`` takes
+  ``None``, ``"flash"``, ``"xla"`` and ``"cudnn"``: ``"xla"`` and ``"cudnn"``
+  call ``jax.nn.dot_product_attention`` with that implementation; ``"flash"``
+  runs jax_flash's kernels and raises ``NotImplementedError`` for what they do
+  not cover (``bias``, ``mask``, unsupported dtypes or head dims); ``None``
+  runs the kernels where they apply and ``jax.nn``'s XLA path elsewhere.
+
+  One difference from ``jax.nn``'s XLA path: a query row that the masks leave
+  without any key outputs zeros (as cuDNN does), not the mean of ``value``.
+  """
+  validation.check_implementation(implementation, (None, "flash", "xla", "cudnn"))
+  if implementation in ("xla", "cudnn"):
+    return jax.nn.dot_product_attention(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size, implementation=implementation,
+        return_residual=return_residual)
+  unsupported = [name for name, x in (("bias", bias), ("mask", mask)) if x is not None]
+  if unsupported:
+    if implementation == "flash":
+      raise NotImplementedError(f"implementation='flash' does not support {unsupported[0]}; "
+                                "use implementation=None or 'xla'")
+    return jax.nn.dot_product_attention(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size, implementation="xla",
+        return_residual=return_residual)
+
+  squeeze = jnp.ndim(query) == 3
+  if squeeze:
+    query, key, value = (jnp.asarray(x)[None] for x in (query, key, value))
+  shapes = validation.check_qkv(query, key, value)
+  if shapes.head_dim_v != shapes.head_dim:
+    raise ValueError(f"value must have the key's shape {jnp.shape(key)}, got {jnp.shape(value)}")
+  scale = validation.check_scale(scale, shapes.head_dim)
+  window_left, window_right = validation.check_window(local_window_size, "local_window_size")
+  if is_causal:
+    window_right = 0 if window_right < 0 else min(window_right, 0)
+  out, lse = _attention(
+      query, key, value, shapes, scale=scale, diag_offset=0, window_left=window_left,
+      window_right=window_right,
+      q_lens=validation.check_lengths(query_seq_lengths, "query_seq_lengths", shapes.batch),
+      kv_lens=validation.check_lengths(key_value_seq_lengths, "key_value_seq_lengths",
+                                       shapes.batch),
+      implementation=None if implementation is None else "flash")
+  if squeeze:
+    out, lse = out[0], lse[0]
+  if not return_residual:
+    return out
+  residual = jnp.swapaxes(lse, -1, -2).astype(out.dtype)  # [..., N, T] -> [..., T, N]
+  return out, jax.lax.stop_gradient(residual)

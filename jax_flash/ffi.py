@@ -1,0 +1,126 @@
+"""Binding to the compiled kernels through XLA's FFI.
+
+Two libraries serve the calls (see the README's developer section):
+
+* ``_cpu_ffi``: a nanobind extension module holding the C++ CPU kernels;
+* ``libjax_flash_cuda.so``: a plain C-ABI library holding the CuTe DSL GPU
+  kernels and their CUDA handlers, loaded with ctypes. Holding no Python, it is
+  independent of the interpreter version. ``JAX_FLASH_CUDA_LIBRARY`` points
+  at another build of it.
+
+Target names carry a version so that serialized exports keep resolving when a
+later release changes a handler's signature: a new signature gets a new name
+and the old handler stays registered.
+"""
+
+import ctypes
+import dataclasses
+import functools
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flash import _cpu_ffi
+
+_ABI_VERSION = "v1"
+_LIBRARY_DIR = pathlib.Path(_cpu_ffi.__file__).resolve().parent
+_CUDA_LIBRARY_NAME = "libjax_flash_cuda.so"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+  """The static part of one kernel call (hashable: a custom_vjp static arg).
+
+  Query row i may attend to key column j when ``j >= i + diag_offset -
+  window_left`` (if ``window_left >= 0``) and ``j <= i + diag_offset +
+  window_right`` (if ``window_right >= 0``), within the sequence lengths.
+  """
+
+  backend: str  # "cpu" or "gpu"
+  scale: float
+  diag_offset: int
+  window_left: int  # -1: unbounded
+  window_right: int  # -1: unbounded
+
+  def attributes(self) -> dict:
+    return dict(scale=np.float32(self.scale), diag_offset=np.int32(self.diag_offset),
+                window_left=np.int32(self.window_left), window_right=np.int32(self.window_right))
+
+
+def _target(backend: str, direction: str) -> str:
+  return f"jax_flash_{backend}_{direction}_{_ABI_VERSION}"
+
+
+def _register_cpu() -> None:
+  for direction, capsule in _cpu_ffi.registrations().items():
+    jax.ffi.register_ffi_target(_target("cpu", direction), capsule, platform="cpu")
+
+
+def _find_cuda_library() -> pathlib.Path | None:
+  override = os.environ.get("JAX_FLASH_CUDA_LIBRARY")
+  if override:
+    path = pathlib.Path(override)
+    if not path.is_file():
+      raise FileNotFoundError(f"JAX_FLASH_CUDA_LIBRARY={override} does not name a file")
+    return path
+  path = _LIBRARY_DIR / _CUDA_LIBRARY_NAME
+  return path if path.is_file() else None
+
+
+def _register_cuda() -> pathlib.Path | None:
+  path = _find_cuda_library()
+  if path is None:
+    return None
+  library = ctypes.CDLL(str(path))
+  for direction, symbol in (("fwd", "JaxFlashFwdCuda"), ("bwd", "JaxFlashBwdCuda")):
+    capsule = jax.ffi.pycapsule(getattr(library, symbol))
+    jax.ffi.register_ffi_target(_target("gpu", direction), capsule, platform="CUDA")
+  return path
+
+
+_register_cpu()
+CUDA_LIBRARY: pathlib.Path | None = _register_cuda()
+
+
+def cuda_kernels_available() -> bool:
+  """Whether this installation holds the GPU kernels."""
+  return CUDA_LIBRARY is not None
+
+
+def forward(q, k, v, q_lens, kv_lens, call: KernelCall):
+  """Runs the forward kernel: returns (o [..., T, N, Hv], lse [..., N, T] f32)."""
+  *batch, seq_q, heads_q, _ = q.shape
+  out_types = (
+      jax.ShapeDtypeStruct((*batch, seq_q, heads_q, v.shape[-1]), q.dtype),
+      jax.ShapeDtypeStruct((*batch, heads_q, seq_q), jnp.float32),
+  )
+  kernel = jax.ffi.ffi_call(_target(call.backend, "fwd"), out_types, vmap_method="broadcast_all")
+  return kernel(q, k, v, q_lens, kv_lens, **call.attributes())
+
+
+def backward(q, k, v, dout, lse, delta, q_lens, kv_lens, call: KernelCall):
+  """Runs the backward kernel: returns (dq f32, dk, dv)."""
+  out_types = (
+      jax.ShapeDtypeStruct(q.shape, jnp.float32),
+      jax.ShapeDtypeStruct(k.shape, k.dtype),
+      jax.ShapeDtypeStruct(v.shape, v.dtype),
+  )
+  kernel = jax.ffi.ffi_call(_target(call.backend, "bwd"), out_types, vmap_method="broadcast_all")
+  return kernel(q, k, v, dout, lse, delta, q_lens, kv_lens, **call.attributes())
+
+
+@functools.cache
+def gpu_compute_capability() -> tuple[int, int] | None:
+  """The first GPU's compute capability, or None without a CUDA device."""
+  try:
+    devices = jax.devices("gpu")
+  except RuntimeError:
+    return None
+  capability = getattr(devices[0], "compute_capability", None)
+  if capability is None:
+    return None
+  major, minor = str(capability).split(".")
+  return int(major), int(minor)

@@ -1,0 +1,103 @@
+"""Checks on user input, raising errors that name the argument, the expected
+and the actual value. ``ValueError`` is a caller mistake;
+``NotImplementedError`` is a valid request that a backend cannot serve."""
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+IMPLEMENTATIONS = (None, "flash", "cpu", "gpu", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+  batch: int
+  seq_q: int
+  seq_k: int
+  heads_q: int
+  heads_kv: int
+  head_dim: int
+  head_dim_v: int
+
+
+def _shape(x) -> tuple[int, ...]:
+  return tuple(np.shape(x))
+
+
+def check_qkv(q, k, v) -> Shapes:
+  """Validates q [B,T,N,H], k [B,S,K,H], v [B,S,K,Hv]."""
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if np.ndim(x) != 4:
+      layout = "[batch, seq_q, heads_q, head_dim]" if name == "q" else "[batch, seq_k, heads_kv, head_dim]"
+      raise ValueError(f"{name} must have rank 4 {layout}, got shape {_shape(x)}")
+    dtype = jnp.result_type(x)
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise ValueError(f"{name} must have a floating dtype, got {dtype}")
+  if not jnp.result_type(q) == jnp.result_type(k) == jnp.result_type(v):
+    raise ValueError("q, k and v must share one dtype, got "
+                     f"q {jnp.result_type(q)}, k {jnp.result_type(k)}, v {jnp.result_type(v)}")
+  batch, seq_q, heads_q, head_dim = _shape(q)
+  kb, seq_k, heads_kv, kdim = _shape(k)
+  vb, vseq, vheads, head_dim_v = _shape(v)
+  if kb != batch or vb != batch:
+    raise ValueError(f"q, k and v must share the batch size: expected {batch}, "
+                     f"got k {kb} and v {vb}")
+  if kdim != head_dim:
+    raise ValueError(f"k head_dim must equal q head_dim: expected {head_dim}, got {kdim}")
+  if (vseq, vheads) != (seq_k, heads_kv):
+    raise ValueError(f"v must match k in seq_k and heads_kv: expected ({seq_k}, {heads_kv}), "
+                     f"got ({vseq}, {vheads})")
+  if heads_kv == 0 or heads_q % heads_kv:
+    raise ValueError(f"heads_q must be a multiple of heads_kv: got heads_q={heads_q}, "
+                     f"heads_kv={heads_kv}")
+  return Shapes(batch, seq_q, seq_k, heads_q, heads_kv, head_dim, head_dim_v)
+
+
+def check_scale(scale, head_dim: int) -> float:
+  if scale is None:
+    return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
+  try:
+    value = float(scale)
+  except TypeError:
+    raise ValueError(f"scale must be a Python number (it is a static kernel parameter), "
+                     f"got {type(scale).__name__}") from None
+  if not math.isfinite(value):
+    raise ValueError(f"scale must be finite, got {value}")
+  return value
+
+
+def check_window(window, name: str) -> tuple[int, int]:
+  """(left, right) with -1 for an unbounded side; accepts None entries."""
+  if window is None:
+    return -1, -1
+  if isinstance(window, int):
+    window = (window, window)
+  if not isinstance(window, (tuple, list)) or len(window) != 2:
+    raise ValueError(f"{name} must be None, an int or a (left, right) pair, got {window!r}")
+  sides = []
+  for side, size in zip(("left", "right"), window):
+    if size is None or size == -1:
+      sides.append(-1)
+    elif isinstance(size, (int, np.integer)) and size >= 0:
+      sides.append(int(size))
+    else:
+      raise ValueError(f"{name} {side} size must be a non-negative int or None, got {size!r}")
+  return sides[0], sides[1]
+
+
+def check_lengths(lengths, name: str, batch: int):
+  if lengths is None:
+    return None
+  lengths = jnp.asarray(lengths)
+  if lengths.shape != (batch,):
+    raise ValueError(f"{name} must have shape ({batch},), got {lengths.shape}")
+  if lengths.dtype != jnp.int32:
+    raise ValueError(f"{name} must have dtype int32, got {lengths.dtype}")
+  return lengths
+
+
+def check_implementation(implementation, allowed=IMPLEMENTATIONS) -> None:
+  if implementation not in allowed:
+    raise ValueError(f"implementation must be one of {allowed}, got {implementation!r}")
