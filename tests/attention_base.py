@@ -1,0 +1,170 @@
+"""The specification of jax_flash.attention, run against every backend.
+
+Each backend's test class sets ``implementation`` and the dtypes / head dims
+it supports; conftest.py parametrises the ``dtype`` and ``head_dim``
+arguments from those attributes.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+import numerics
+
+
+def run_attention(q, k, v, dout, implementation, **kwargs):
+  """(out, lse, dq, dk, dv) from jax_flash.attention, under jit."""
+
+  @jax.jit
+  def forward_backward(q, k, v, dout):
+    def f(q, k, v):
+      return jax_flash.attention(q, k, v, return_lse=True, implementation=implementation,
+                                 **kwargs)
+
+    (out, lse), pullback = jax.vjp(f, q, k, v)
+    return (out, lse, *pullback((dout, jnp.zeros_like(lse))))
+
+  return tuple(np.asarray(jnp.asarray(x, jnp.float32)) for x in forward_backward(q, k, v, dout))
+
+
+def mask_kwargs(seq_q, seq_k, causal=False, window=None, q_lens=None, kv_lens=None):
+  """The reference's mask arguments for jax_flash.attention's conventions."""
+  left, right = (-1, -1) if window is None else (
+      -1 if window[0] is None else window[0], -1 if window[1] is None else window[1])
+  if causal:
+    right = 0 if right < 0 else min(right, 0)
+  return dict(diag_offset=seq_k - seq_q, window_left=left, window_right=right, q_lens=q_lens,
+              kv_lens=kv_lens)
+
+
+class AttentionTestBase:
+  implementation: str
+  dtypes: tuple
+  head_dims: tuple
+  # Whether gradients are bitwise reproducible run to run.
+  deterministic_backward = True
+  long_seq = 4097
+
+  def check(self, *, batch=2, seq_q=113, seq_k=241, heads_q=4, heads_kv=2, head_dim=64,
+            dtype=jnp.bfloat16, causal=False, window=None, q_lens=None, kv_lens=None, seed=0):
+    q, k, v, dout = numerics.random_qkv(seed, batch, seq_q, seq_k, heads_q, heads_kv, head_dim,
+                                        dtype)
+    scale = 1.0 / np.sqrt(head_dim)
+    got = run_attention(q, k, v, dout, self.implementation, causal=causal, window=window,
+                        query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens)
+    mask = mask_kwargs(seq_q, seq_k, causal, window, q_lens, kv_lens)
+    ref = numerics.float64_reference(q, k, v, dout, scale=scale, **mask)
+    naive = numerics.naive(q, k, v, dout, scale=scale, **mask)
+    for name, g, r, n in zip(("out", "lse", "dq", "dk", "dv"), got, ref, naive):
+      numerics.assert_within_tolerance(name, g, r, n, dtype, reduction=max(seq_q, seq_k))
+    return got
+
+  @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+  def test_matches_reference(self, dtype, head_dim, causal):
+    self.check(dtype=dtype, head_dim=head_dim, causal=causal)
+
+  @pytest.mark.parametrize("seq_q,seq_k", [(1, 1), (17, 17), (1000, 1000), (17, 1000),
+                                           (1000, 17), (1, 4097), ("long", "long")])
+  @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+  def test_awkward_lengths(self, seq_q, seq_k, causal):
+    seq_q = self.long_seq if seq_q == "long" else seq_q
+    seq_k = self.long_seq if seq_k == "long" else seq_k
+    self.check(batch=1, seq_q=seq_q, seq_k=seq_k, heads_q=2, heads_kv=1, dtype=self.dtypes[0],
+               causal=causal)
+
+  @pytest.mark.parametrize("heads_q,heads_kv", [(8, 8), (8, 4), (8, 2), (8, 1)],
+                           ids=["mha", "gqa2", "gqa4", "mqa"])
+  def test_grouped_heads(self, heads_q, heads_kv):
+    self.check(heads_q=heads_q, heads_kv=heads_kv, seq_q=77, seq_k=130, dtype=self.dtypes[0])
+
+  @pytest.mark.parametrize("window", [(16, 0), (8, 8), (0, None), (None, 5), (40, 3)])
+  @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+  def test_sliding_window(self, window, causal):
+    self.check(seq_q=150, seq_k=150, window=window, causal=causal, dtype=self.dtypes[0])
+
+  @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+  def test_sequence_lengths(self, causal):
+    q_lens = jnp.array([70, 0, 113], jnp.int32)
+    kv_lens = jnp.array([241, 50, 0], jnp.int32)
+    out, lse, dq, dk, dv = self.check(batch=3, q_lens=q_lens, kv_lens=kv_lens, causal=causal,
+                                      dtype=self.dtypes[0])
+    # Padding is exact: zero outputs and zero gradients, no rounding.
+    assert np.all(out[0, 70:] == 0) and np.all(out[1] == 0) and np.all(out[2] == 0)
+    assert np.all(dq[0, 70:] == 0) and np.all(dk[0, 241:] == 0)
+    assert np.all(dk[1, 50:] == 0) and np.all(dv[1, 50:] == 0)
+    assert np.all(dk[2] == 0) and np.all(dv[2] == 0) and np.all(dq[2] == 0)
+    assert np.all(np.isneginf(lse[1])) and np.all(np.isneginf(lse[2]))
+
+  def test_fully_masked_rows(self):
+    # Bottom-right causal with seq_q > seq_k: the first 60 query rows see no key.
+    out, lse, dq, dk, dv = self.check(seq_q=100, seq_k=40, causal=True, dtype=self.dtypes[0])
+    assert np.all(out[:, :60] == 0) and np.all(np.isneginf(lse[:, :, :60]))
+    assert np.all(dq[:, :60] == 0)
+    for grad in (dq, dk, dv):
+      assert np.all(np.isfinite(grad))
+
+  def test_repeated_runs_bitwise_equal(self):
+    q, k, v, dout = numerics.random_qkv(3, 2, 200, 300, 4, 2, self.head_dims[0], self.dtypes[0])
+    first = run_attention(q, k, v, dout, self.implementation, causal=True)
+    for _ in range(2):
+      again = run_attention(q, k, v, dout, self.implementation, causal=True)
+      chex.assert_trees_all_equal(first[:2], again[:2])
+      if self.deterministic_backward:
+        chex.assert_trees_all_equal(first[2:], again[2:])
+
+  def test_lse_gradient(self):
+    q, k, v, _ = numerics.random_qkv(4, 1, 50, 70, 2, 1, self.head_dims[0], self.dtypes[0])
+
+    def loss(impl):
+      def f(q, k, v):
+        out, lse = jax_flash.attention(q, k, v, causal=True, return_lse=True, implementation=impl)
+        return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
+      return f
+
+    got = jax.grad(loss(self.implementation), (0, 1, 2))(q, k, v)
+    with jax.enable_x64(True):
+      q64, k64, v64 = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v))
+      ref = jax.grad(loss("xla"), (0, 1, 2))(q64, k64, v64)
+    naive = jax.grad(loss("xla"), (0, 1, 2))(q, k, v)
+    for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+      numerics.assert_within_tolerance(name, np.asarray(g, np.float32), r,
+                                       np.asarray(n, np.float32), self.dtypes[0])
+
+  def test_vmap_matches_loop(self):
+    q, k, v, _ = numerics.random_qkv(5, 2, 33, 47, 4, 2, self.head_dims[0], self.dtypes[0])
+    stack = lambda x: jnp.stack([x, x[::-1] * 0.5])
+    f = lambda q, k, v: jax_flash.attention(q, k, v, causal=True,
+                                            implementation=self.implementation)
+    batched = jax.jit(jax.vmap(f))(stack(q), stack(k), stack(v))
+    for i in range(2):
+      chex.assert_trees_all_close(batched[i], f(stack(q)[i], stack(k)[i], stack(v)[i]),
+                                  atol=0, rtol=0)
+
+  def test_checkpoint_gradients_equal(self):
+    q, k, v, _ = numerics.random_qkv(6, 1, 64, 64, 2, 2, self.head_dims[0], self.dtypes[0])
+    f = lambda q, k, v: jnp.sum(jax_flash.attention(
+        q, k, v, implementation=self.implementation).astype(jnp.float32) ** 2)
+    plain = jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v)
+    remat = jax.jit(jax.grad(jax.checkpoint(f), (0, 1, 2)))(q, k, v)
+    if self.deterministic_backward:
+      chex.assert_trees_all_equal(plain, remat)
+    else:
+      chex.assert_trees_all_close(plain, remat, atol=1e-2, rtol=1e-2)
+
+  @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+  def test_dot_product_attention_matches_jax_nn(self, causal):
+    q, k, v, _ = numerics.random_qkv(7, 2, 96, 96, 4, 2, self.head_dims[0], self.dtypes[0])
+    lens = jnp.array([96, 80], jnp.int32)  # every row keeps a key: jax.nn averages empty rows
+    kwargs = dict(is_causal=causal, local_window_size=(20, 10) if causal else None,
+                  key_value_seq_lengths=lens)
+    flash = "flash" if self.implementation != "xla" else None
+    got = jax_flash.dot_product_attention(q, k, v, implementation=flash, **kwargs)
+    want = jax.nn.dot_product_attention(q, k, v, implementation="xla", **kwargs)
+    with jax.enable_x64(True):
+      ref = jax.nn.dot_product_attention(*(jnp.asarray(np.asarray(x, np.float64))
+                                           for x in (q, k, v)), implementation="xla", **kwargs)
+    numerics.assert_within_tolerance("out", np.asarray(got, np.float32), ref,
+                                     np.asarray(want, np.float32), self.dtypes[0])

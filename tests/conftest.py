@@ -1,0 +1,41 @@
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_flash
+from jax_flash import api
+
+
+def gpu_unavailable_reason() -> str | None:
+  if jax.default_backend() != "gpu":
+    return "no CUDA GPU visible to JAX"
+  return api._gpu_unavailable_reason()
+
+
+def pytest_collection_modifyitems(config, items):
+  reason = gpu_unavailable_reason()
+  if reason is None:
+    return
+  skip = pytest.mark.skip(reason=f"GPU test: {reason}")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
+
+
+def pytest_report_header(config):
+  return (f"jax {jax.__version__}, backend {jax.default_backend()}, "
+          f"jax_flash CUDA kernels: {jax_flash.cuda_kernels_available()}, "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
+
+
+def pytest_generate_tests(metafunc):
+  """Parametrises ``dtype`` / ``head_dim`` from the backend test class."""
+  cls = metafunc.cls
+  if cls is None:
+    return
+  if "dtype" in metafunc.fixturenames:
+    metafunc.parametrize("dtype", cls.dtypes, ids=[jnp.dtype(d).name for d in cls.dtypes])
+  if "head_dim" in metafunc.fixturenames:
+    metafunc.parametrize("head_dim", cls.head_dims, ids=[f"hd{h}" for h in cls.head_dims])

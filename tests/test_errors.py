@@ -1,0 +1,156 @@
+"""Every caller mistake gets an error naming the argument, expected and got."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+import jax_flash.configs
+from jax_flash import api, validation
+
+
+def qkv(q_shape=(2, 16, 4, 64), k_shape=(2, 16, 2, 64), v_shape=None, dtype=jnp.float32):
+  v_shape = k_shape if v_shape is None else v_shape
+  return tuple(jnp.zeros(s, dtype) for s in (q_shape, k_shape, v_shape))
+
+
+@pytest.mark.parametrize("shapes,match", [
+    (((16, 4, 64), (2, 16, 2, 64)), r"q must have rank 4 \[batch, seq_q, heads_q, head_dim\], got shape \(16, 4, 64\)"),
+    (((2, 16, 4, 64), (2, 16, 64)), r"k must have rank 4 .* got shape \(2, 16, 64\)"),
+    (((2, 16, 4, 64), (3, 16, 2, 64)), r"batch size: expected 2, got k 3 and v 3"),
+    (((2, 16, 4, 64), (2, 16, 2, 32)), r"k head_dim must equal q head_dim: expected 64, got 32"),
+    (((2, 16, 4, 64), (2, 16, 3, 64)), r"heads_q must be a multiple of heads_kv: got heads_q=4, heads_kv=3"),
+])
+def test_bad_shapes(shapes, match):
+  q, k, v = qkv(*shapes)
+  with pytest.raises(ValueError, match=match):
+    jax_flash.attention(q, k, v)
+
+
+def test_value_shape_mismatch():
+  q, k, v = qkv(v_shape=(2, 15, 2, 64))
+  with pytest.raises(ValueError, match=r"v must match k in seq_k and heads_kv: expected \(16, 2\), got \(15, 2\)"):
+    jax_flash.attention(q, k, v)
+
+
+def test_mixed_dtypes():
+  q, k, v = qkv()
+  with pytest.raises(ValueError, match="q, k and v must share one dtype, got q float32, k bfloat16"):
+    jax_flash.attention(q, k.astype(jnp.bfloat16), v)
+
+
+def test_integer_dtype():
+  q, k, v = qkv(dtype=jnp.int32)
+  with pytest.raises(ValueError, match="q must have a floating dtype, got int32"):
+    jax_flash.attention(q, k, v)
+
+
+@pytest.mark.parametrize("window,match", [
+    ((-3, 2), r"window left size must be a non-negative int or None, got -3"),
+    ((1, 2, 3), r"window must be None, an int or a \(left, right\) pair, got \(1, 2, 3\)"),
+    ((1.5, 2), r"window left size must be a non-negative int or None, got 1.5"),
+])
+def test_bad_window(window, match):
+  with pytest.raises(ValueError, match=match):
+    jax_flash.attention(*qkv(), window=window)
+
+
+@pytest.mark.parametrize("lengths,match", [
+    (jnp.array([3, 4, 5], jnp.int32), r"query_seq_lengths must have shape \(2,\), got \(3,\)"),
+    (jnp.array([3.0, 4.0]), r"query_seq_lengths must have dtype int32, got float32"),
+])
+def test_bad_lengths(lengths, match):
+  with pytest.raises(ValueError, match=match):
+    jax_flash.attention(*qkv(), query_seq_lengths=lengths)
+
+
+def test_bad_scale():
+  with pytest.raises(ValueError, match="scale must be finite, got nan"):
+    jax_flash.attention(*qkv(), scale=float("nan"))
+  with pytest.raises(ValueError, match="scale must be a Python number .* got ArrayImpl"):
+    jax_flash.attention(*qkv(), scale=jnp.ones(3))
+
+
+def test_unknown_implementation():
+  with pytest.raises(ValueError, match=r"implementation must be one of .*, got 'triton'"):
+    jax_flash.attention(*qkv(), implementation="triton")
+  with pytest.raises(ValueError, match=r"implementation must be one of \(None, 'flash', 'xla', 'cudnn'\), got 'cpu'"):
+    jax_flash.dot_product_attention(*qkv(), implementation="cpu")
+
+
+def test_gpu_unsupported_head_dim():
+  reason = jax_flash.configs.GPU.unsupported_reason(jnp.bfloat16, 40, 40)
+  assert reason == "the gpu kernels support head_dim in (64, 96, 128, 192, 256), got 40"
+
+
+def test_forcing_gpu_without_gpu_raises():
+  reason = api._gpu_unavailable_reason()
+  if reason is None:
+    pytest.skip("a usable GPU is present")
+  with pytest.raises(NotImplementedError, match=re.escape(f"implementation='gpu': {reason}")):
+    jax_flash.attention(*qkv(dtype=jnp.bfloat16), implementation="gpu")
+
+
+def test_gpu_dtype_unsupported():
+  reason = jax_flash.configs.GPU.unsupported_reason(jnp.float32, 64, 64)
+  assert reason == "the gpu kernels support dtypes float16, bfloat16, got float32"
+
+
+def test_flash_without_kernels_for_the_case_raises():
+  # float64 is valid input that no kernel serves.
+  with jax.enable_x64(True):
+    q, k, v = qkv(dtype=jnp.float64)
+    with pytest.raises(NotImplementedError, match="implementation='flash': the cpu kernels support dtypes float16, bfloat16, float32, got float64"):
+      jax_flash.attention(q, k, v, implementation="flash")
+    # The default falls back to XLA instead.
+    assert jax_flash.attention(q, k, v).dtype == jnp.float64
+
+
+def test_cpu_head_dim_limit():
+  q, k, v = qkv((1, 4, 1, 520), (1, 4, 1, 520))
+  with pytest.raises(NotImplementedError, match=r"head_dim <= 512, got 520"):
+    jax_flash.attention(q, k, v, implementation="cpu")
+
+
+def test_dot_product_attention_flash_rejects_bias_and_mask():
+  q, k, v = qkv(k_shape=(2, 16, 4, 64))
+  with pytest.raises(NotImplementedError, match="implementation='flash' does not support bias"):
+    jax_flash.dot_product_attention(q, k, v, bias=jnp.zeros((2, 4, 16, 16)), implementation="flash")
+  with pytest.raises(NotImplementedError, match="implementation='flash' does not support mask"):
+    jax_flash.dot_product_attention(q, k, v, mask=jnp.ones((2, 4, 16, 16), bool),
+                                    implementation="flash")
+
+
+def test_dot_product_attention_value_head_dim():
+  q, k, v = qkv(k_shape=(2, 16, 4, 64), v_shape=(2, 16, 4, 32))
+  with pytest.raises(ValueError, match=r"value must have the key's shape \(2, 16, 4, 64\), got \(2, 16, 4, 32\)"):
+    jax_flash.dot_product_attention(q, k, v)
+
+
+@pytest.mark.parametrize("shape", [(0, 16, 4, 64), (2, 0, 4, 64)])
+def test_empty_batch_or_queries(shape):
+  q, k, v = qkv(q_shape=shape, k_shape=(shape[0], 16, 2, 64))
+  out = jax_flash.attention(q, k, v)
+  assert out.shape == shape
+
+
+def test_empty_keys_give_zero_output_and_finite_gradients():
+  q, k, v = qkv(q_shape=(2, 5, 4, 64), k_shape=(2, 0, 2, 64))
+  q = q + 1.0
+  out, lse = jax_flash.attention(q, k, v, return_lse=True)
+  assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))
+  grad = jax.grad(lambda q: jnp.sum(jax_flash.attention(q, k, v)))(q)
+  assert np.all(np.asarray(grad) == 0)
+
+
+def test_handler_rejects_inconsistent_buffers():
+  """The C++ handler validates again and returns an error, never aborts."""
+  from jax_flash import ffi
+  q, k, v = qkv()
+  call = ffi.KernelCall(backend="cpu", scale=0.125, diag_offset=0, window_left=-1, window_right=-1)
+  bad_lens = jnp.zeros((3,), jnp.int32)
+  with pytest.raises(Exception, match=r"jax_flash: q_lens has 3 elements, expected 2"):
+    jax.block_until_ready(ffi.forward(q, k, v, bad_lens, jnp.zeros((2,), jnp.int32), call))

@@ -1,0 +1,90 @@
+"""jax.export round trips of jitted functions that call jax_flash's kernels.
+
+The kernels are XLA FFI custom calls, which ``jax.export`` refuses to
+serialize unless each target is allowed with
+``jax.export.DisabledSafetyCheck.custom_call(name)``: JAX vouches only for
+its own targets. jax_flash keeps its side of the bargain by versioning the
+names (``jax_flash_cpu_fwd_v1``): a changed handler signature gets a new name
+and the old one stays registered, so a serialized module keeps resolving.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import jax_flash
+
+# jax.export's serialization needs flatbuffers (not a jax dependency).
+pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
+
+TARGETS = ("jax_flash_cpu_fwd_v1", "jax_flash_cpu_bwd_v1")
+ALLOW_KERNELS = [export.DisabledSafetyCheck.custom_call(name) for name in TARGETS]
+
+
+def qkv(seed=0, batch=2, seq_q=37, seq_k=45, heads_q=4, heads_kv=2, head_dim=16):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(keys[0], (batch, seq_q, heads_q, head_dim), jnp.float32),
+          jax.random.normal(keys[1], (batch, seq_k, heads_kv, head_dim), jnp.float32),
+          jax.random.normal(keys[2], (batch, seq_k, heads_kv, head_dim), jnp.float32))
+
+
+def forward(q, k, v, kv_lens):
+  return jax_flash.attention(q, k, v, causal=True, key_value_seq_lengths=kv_lens,
+                             return_lse=True, implementation="cpu")
+
+
+def loss_and_grads(q, k, v, kv_lens):
+  def loss(q, k, v):
+    return jnp.sum(jnp.sin(jax_flash.attention(q, k, v, causal=True,
+                                               key_value_seq_lengths=kv_lens,
+                                               implementation="cpu")))
+
+  return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+def round_trip(fn, *args):
+  """Exports ``jit(fn)`` for CPU, serializes, deserializes; returns both."""
+  exported = export.export(jax.jit(fn), platforms=["cpu"], disabled_checks=ALLOW_KERNELS)(
+      *args)
+  restored = export.deserialize(exported.serialize())
+  return exported, restored
+
+
+@pytest.mark.parametrize("fn, targets", [(forward, TARGETS[:1]), (loss_and_grads, TARGETS)],
+                         ids=["fwd", "grad"])
+def test_round_trip_is_exact(fn, targets):
+  args = (*qkv(), jnp.array([45, 20], jnp.int32))
+  exported, restored = round_trip(fn, *args)
+  text = exported.mlir_module()
+  for name in targets:
+    assert f"custom_call @{name}" in text, f"{name} missing from the exported module"
+  assert restored.platforms == ("cpu",)
+  want = jax.jit(fn)(*args)
+  got = restored.call(*args)
+  chex.assert_trees_all_equal(got, want)
+  # The restored function is an ordinary JAX callable: it jits and runs again.
+  chex.assert_trees_all_equal(jax.jit(restored.call)(*args), want)
+
+
+def test_export_without_allowing_the_kernels_fails():
+  with pytest.raises(ValueError, match="custom calls"):
+    export.export(jax.jit(forward), platforms=["cpu"])(*qkv(), jnp.array([45, 20], jnp.int32))
+
+
+def test_restored_forward_is_differentiable():
+  """Exporting ``jax.vjp``'s forward loses the custom_vjp, so the gradient of
+  an exported forward needs the backward exported too (``vjp_order``)."""
+  q, k, v = qkv(seed=1)
+  fn = lambda q, k, v: jax_flash.attention(q, k, v, implementation="cpu")
+  exported = export.export(jax.jit(fn), platforms=["cpu"], disabled_checks=ALLOW_KERNELS)(
+      q, k, v)
+  restored = export.deserialize(exported.serialize(vjp_order=1))
+  assert "custom_call @jax_flash_cpu_bwd_v1" in restored.vjp().mlir_module()
+  dout = jax.random.normal(jax.random.key(2), q.shape, q.dtype)
+  got = jax.vjp(restored.call, q, k, v)[1](dout)
+  want = jax.vjp(fn, q, k, v)[1](dout)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=1e-6, rtol=1e-6)
