@@ -17,8 +17,12 @@ if(NOT CUDAToolkit_FOUND)
   return()
 endif()
 
+# Each kernel family (a folder of cuda_src with kernel.py, export.py and
+# launch.cc) and the architectures it is exported for. The sm80 family also
+# serves Hopper when the sm90 one declines a problem.
 set(JF_KERNEL_FAMILIES fwd_sm80 bwd_sm80)
-set(JF_ARCHS sm_80 sm_90a)
+set(JF_FAMILY_ARCHS_fwd_sm80 sm_80 sm_90a)
+set(JF_FAMILY_ARCHS_bwd_sm80 sm_80 sm_90a)
 
 if(JAX_FLASH_AOT_DIR)
   set(jf_aot_dir "${JAX_FLASH_AOT_DIR}")
@@ -29,7 +33,7 @@ endif()
 
 execute_process(
   COMMAND "${Python_EXECUTABLE}" -c
-          "import nvidia_cutlass_dsl, pathlib; print(pathlib.Path(nvidia_cutlass_dsl.__file__).parent / 'cu13' / 'lib' / 'libcuda_dialect_runtime_static.a')"
+          "import nvidia_cutlass_dsl, pathlib; print(pathlib.Path(list(nvidia_cutlass_dsl.__path__)[0]) / 'cu13' / 'lib' / 'libcuda_dialect_runtime_static.a')"
   OUTPUT_STRIP_TRAILING_WHITESPACE OUTPUT_VARIABLE jf_dsl_runtime
   RESULT_VARIABLE jf_dsl_status ERROR_QUIET)
 if(JAX_FLASH_AOT_DIR AND EXISTS "${jf_aot_dir}/libcuda_dialect_runtime_static.a")
@@ -43,8 +47,15 @@ elseif(NOT jf_dsl_status EQUAL 0 OR NOT EXISTS "${jf_dsl_runtime}")
 endif()
 
 set(jf_archives "")
+set(jf_launchers "")
+set(jf_include_dirs "")
+set(jf_definitions "")
 foreach(family IN LISTS JF_KERNEL_FAMILIES)
-  foreach(arch IN LISTS JF_ARCHS)
+  list(APPEND jf_launchers cuda_src/${family}/launch.cc)
+  string(TOUPPER "${family}" family_upper)
+  list(APPEND jf_definitions JF_HAVE_${family_upper}=1)
+  foreach(arch IN LISTS JF_FAMILY_ARCHS_${family})
+    list(APPEND jf_include_dirs "${jf_aot_dir}/${family}_${arch}")
     set(name ${family}_${arch})
     set(archive "${jf_aot_dir}/lib${name}.a")
     if(NOT JAX_FLASH_AOT_DIR)
@@ -64,17 +75,10 @@ foreach(family IN LISTS JF_KERNEL_FAMILIES)
 endforeach()
 add_custom_target(jax_flash_aot_kernels DEPENDS ${jf_archives})
 
-add_library(jax_flash_cuda SHARED
-  cuda_src/ffi/cuda_handlers.cc
-  cuda_src/fwd_sm80/launch.cc
-  cuda_src/bwd_sm80/launch.cc)
+add_library(jax_flash_cuda SHARED cuda_src/ffi/cuda_handlers.cc ${jf_launchers})
 add_dependencies(jax_flash_cuda jax_flash_aot_kernels)
-target_include_directories(jax_flash_cuda PRIVATE ${JF_INCLUDE_DIRS})
-foreach(family IN LISTS JF_KERNEL_FAMILIES)
-  foreach(arch IN LISTS JF_ARCHS)
-    target_include_directories(jax_flash_cuda PRIVATE "${jf_aot_dir}/${family}_${arch}")
-  endforeach()
-endforeach()
+target_include_directories(jax_flash_cuda PRIVATE ${JF_INCLUDE_DIRS} ${jf_include_dirs})
+target_compile_definitions(jax_flash_cuda PRIVATE ${jf_definitions})
 target_compile_options(jax_flash_cuda PRIVATE -O2)
 target_link_libraries(jax_flash_cuda PRIVATE
   ${jf_archives} "${jf_dsl_runtime}" CUDA::cudart_static)
@@ -82,4 +86,4 @@ target_link_libraries(jax_flash_cuda PRIVATE
 # CUDA runtime that jaxlib or torch load into the same process.
 target_link_options(jax_flash_cuda PRIVATE "LINKER:--exclude-libs,ALL" "LINKER:--no-undefined")
 install(TARGETS jax_flash_cuda LIBRARY DESTINATION jax_flash)
-message(STATUS "jax_flash: building CUDA kernels for ${JF_ARCHS}")
+message(STATUS "jax_flash: building CUDA kernel families ${JF_KERNEL_FAMILIES}")

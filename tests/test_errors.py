@@ -103,7 +103,8 @@ def test_flash_without_kernels_for_the_case_raises():
   # float64 is valid input that no kernel serves.
   with jax.enable_x64(True):
     q, k, v = qkv(dtype=jnp.float64)
-    with pytest.raises(NotImplementedError, match="implementation='flash': the cpu kernels support dtypes float16, bfloat16, float32, got float64"):
+    with pytest.raises(NotImplementedError,
+                       match=r"implementation='flash': the (cpu|gpu) kernels support dtypes .*got float64"):
       jax_flash.attention(q, k, v, implementation="flash")
     # The default falls back to XLA instead.
     assert jax_flash.attention(q, k, v).dtype == jnp.float64
@@ -149,8 +150,9 @@ def test_empty_keys_give_zero_output_and_finite_gradients():
 def test_handler_rejects_inconsistent_buffers():
   """The C++ handler validates again and returns an error, never aborts."""
   from jax_flash import ffi
-  q, k, v = qkv()
+  cpu = jax.devices("cpu")[0]
+  q, k, v = jax.device_put(qkv(), cpu)
   call = ffi.KernelCall(backend="cpu", scale=0.125, diag_offset=0, window_left=-1, window_right=-1)
-  bad_lens = jnp.zeros((3,), jnp.int32)
+  lens = jax.device_put((jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32)), cpu)
   with pytest.raises(Exception, match=r"jax_flash: q_lens has 3 elements, expected 2"):
-    jax.block_until_ready(ffi.forward(q, k, v, bad_lens, jnp.zeros((2,), jnp.int32), call))
+    jax.block_until_ready(ffi.forward(q, k, v, *lens, call))

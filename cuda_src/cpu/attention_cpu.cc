@@ -15,6 +15,7 @@
 #include <cstring>
 #include <limits>
 #include <thread>
+#include <type_traits>
 
 #include "attention_cpu.h"
 #include "jax_flash/kernel_api.h"
@@ -587,10 +588,12 @@ int fail(char* err, size_t err_len, const char* entry, const char* format,
 // Checks what both directions share; returns 0 or the fail() code.
 int check_problem(const JfProblem& p, const char* entry, char* err,
                   size_t err_len) {
-  if (p.dtype != JF_FLOAT16 && p.dtype != JF_BFLOAT16 &&
-      p.dtype != JF_FLOAT32) {
-    return fail(err, err_len, entry, "unknown dtype %d",
-                static_cast<int>(p.dtype));
+  // Read as an integer: loading an enum outside its range is undefined.
+  std::underlying_type_t<JfDtype> dtype;
+  std::memcpy(&dtype, &p.dtype, sizeof dtype);
+  if (dtype != JF_FLOAT16 && dtype != JF_BFLOAT16 && dtype != JF_FLOAT32) {
+    return fail(err, err_len, entry, "unknown dtype %lld",
+                static_cast<long long>(dtype));
   }
   if (p.batch < 0 || p.seqlen_q < 0 || p.seqlen_k < 0) {
     return fail(err, err_len, entry,

@@ -8,13 +8,33 @@
 namespace jax_flash {
 namespace {
 
+// The newest kernels that serve the problem: sm90 on Hopper when built and
+// able, else the sm80 family (which runs on every GPU from Ampere on).
+int LaunchForward(const JfFwdArgs& args, cudaStream_t stream, char* err, size_t n) {
+#ifdef JF_HAVE_FWD_SM90
+  if (jax_flash_fwd_sm90_can_implement(&args.problem)) {
+    return jax_flash_fwd_sm90(&args, stream, err, n);
+  }
+#endif
+  return jax_flash_fwd_sm80(&args, stream, err, n);
+}
+
+int LaunchBackward(const JfBwdArgs& args, cudaStream_t stream, char* err, size_t n) {
+#ifdef JF_HAVE_BWD_SM90
+  if (jax_flash_bwd_sm90_can_implement(&args.problem)) {
+    return jax_flash_bwd_sm90(&args, stream, err, n);
+  }
+#endif
+  return jax_flash_bwd_sm80(&args, stream, err, n);
+}
+
 ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> o,
                    ffi::Result<ffi::AnyBuffer> lse, float scale, int32_t diag_offset,
                    int32_t window_left, int32_t window_right) {
   auto launch = [stream](const JfFwdArgs& args) {
     return CallKernel(
-        [&](char* err, size_t n) { return jax_flash_fwd_sm80(&args, stream, err, n); });
+        [&](char* err, size_t n) { return LaunchForward(args, stream, err, n); });
   };
   return AttentionForward(launch, q, k, v, q_lens, kv_lens, o, lse, scale, diag_offset,
                           window_left, window_right);
@@ -28,7 +48,7 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    int32_t window_left, int32_t window_right) {
   auto launch = [stream](const JfBwdArgs& args) {
     return CallKernel(
-        [&](char* err, size_t n) { return jax_flash_bwd_sm80(&args, stream, err, n); });
+        [&](char* err, size_t n) { return LaunchBackward(args, stream, err, n); });
   };
   return AttentionBackward(launch, q, k, v, dout, lse, delta, q_lens, kv_lens, dq_accum, dk, dv,
                            scale, diag_offset, window_left, window_right);

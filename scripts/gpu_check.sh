@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: build jax_flash from kernels exported ahead of
+# time on another machine, check it, run the GPU tests, benchmark.
+#
+#   bash scripts/gpu_check.sh AOT_DIR [tests|bench|all]
+#
+# AOT_DIR holds what CMake's AOT step made (the lib<family>_<arch>.a archives,
+# their header folders) plus libcuda_dialect_runtime_static.a; make it with
+# scripts/prepare_gpu_run.sh. Logs and results go to $OUT (default ./gpu_out).
+set -uo pipefail
+AOT_DIR=$(realpath "${1:?usage: gpu_check.sh AOT_DIR [tests|bench|all]}")
+STAGE=${2:-all}
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PYTHON=${PYTHON:-python3}
+
+step() { echo "== $* ($(date +%T))"; }
+
+if ! "$PYTHON" -c "import jax_flash; assert jax_flash.cuda_kernels_available()" 2>/dev/null; then
+  step "build (prebuilt kernels from $AOT_DIR)"
+  if ! "$PYTHON" -m pip install --no-build-isolation --no-deps --no-index -e . \
+      -Ccmake.define.JAX_FLASH_CUDA=ON -Ccmake.define.JAX_FLASH_AOT_DIR="$AOT_DIR" \
+      -Cbuild-dir=/tmp/jax_flash_build >"$OUT/build.log" 2>&1; then
+    tail -40 "$OUT/build.log"
+    exit 1
+  fi
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
+
+if [[ $STAGE == tests || $STAGE == all ]]; then
+  step "python -m jax_flash --no-bench"
+  "$PYTHON" -m jax_flash --no-bench 2>&1 | tee "$OUT/check.log"
+  step "GPU tests"
+  "$PYTHON" -m pytest tests/test_backends.py tests/test_errors.py -k "Gpu or errors" -q \
+      -p no:cacheprovider --maxfail=20 --durations=5 2>&1 | tee "$OUT/tests.log"
+  step "compute-sanitizer memcheck + racecheck on a small problem"
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 3 "$PYTHON" scripts/sanitizer_case.py \
+        >"$OUT/sanitizer_$tool.log" 2>&1
+    echo "$tool: exit $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1))"
+  done
+fi
+
+if [[ $STAGE == bench || $STAGE == all ]]; then
+  step "benchmark"
+  "$PYTHON" benchmarks/bench_attention.py --head-dims 64 128 256 --seqs 2048 8192 \
+      --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+  "$PYTHON" benchmarks/bench_attention.py --head-dims 128 --seqs 32768 --causal yes \
+      --out "$OUT/bench.json" 2>&1 | tail -3 | tee -a "$OUT/bench.log"
+fi
+step done
