@@ -15,11 +15,7 @@ import numpy as np
 import jax_flash
 from jax_flash import benchmark, reference
 
-try:
-  from tqdm import tqdm
-except ImportError:  # the progress bar is a nicety, not a requirement
-  def tqdm(items, **_):
-    return items
+from tqdm import tqdm
 
 CHECKS = [  # (batch, seq_q, seq_k, heads_q, heads_kv, head_dim, causal)
     (2, 17, 17, 4, 4, 64, False),
