@@ -34,6 +34,9 @@ def main(argv=None) -> int:
   parser.add_argument("--impls", nargs="+", default=list(benchmark.IMPLEMENTATIONS))
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--out", type=pathlib.Path, help="JSON file to append rows to")
+  parser.add_argument("--packed-docs", type=int, default=0,
+                      help="instead: one --tokens row of this many packed documents, causal, "
+                           "first --head-dims entry; segment ids vs the dense causal row")
   args = parser.parse_args(argv)
 
   if jax.default_backend() != "gpu":
@@ -44,6 +47,8 @@ def main(argv=None) -> int:
   ceiling = benchmark.matmul_ceiling_tflops()
   print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, bf16 matmul ceiling "
         f"{ceiling:.0f} TFLOPS")
+  if args.packed_docs:
+    return packed(args, ceiling)
   header = (f"{'hd':>4}{'seq':>7}{'causal':>7}{'impl':>11}{'fwd TF':>9}{'bwd TF':>9}"
             f"{'fwd/cudnn':>11}{'bwd/cudnn':>11}{'fwd/ceil':>10}")
   print(header)
@@ -74,6 +79,30 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(existing + rows, indent=1) + "\n")
     print(f"wrote {len(rows)} rows to {args.out}")
+  return 0
+
+
+def packed(args, ceiling: float) -> int:
+  """Issue 5's packed-row benchmark: milliseconds, segment ids vs dense."""
+  config = benchmark.Config(1, args.tokens, args.heads, args.head_dims[0], True, args.dtype)
+  ids, lengths = benchmark.packed_document_ids(args.tokens, args.packed_docs)
+  variant = f"packed-{args.packed_docs}-docs"
+  rows = []
+  results = {}
+  for name, segment_ids in ((variant, ids), (variant + "-dense", None)):
+    results[name] = r = benchmark.measure_packed(config, segment_ids, iters=args.iters)
+    for op in ("fwd", "bwd"):
+      rows.append({**benchmark.rows("jax_flash", config, {f"{op}_ms": r[f"{op}_ms"],
+                                                          f"{op}_tflops": float("nan")},
+                                    ceiling, name)[0], "tflops": None})
+  print(f"document lengths {lengths.tolist()}")
+  for op in ("fwd", "bwd"):
+    packed_ms, dense_ms = results[variant][f"{op}_ms"], results[variant + "-dense"][f"{op}_ms"]
+    print(f"{op}: segments {packed_ms:.3f} ms, dense causal {dense_ms:.3f} ms, "
+          f"{dense_ms / packed_ms:.2f}x faster")
+  if args.out:
+    existing = json.loads(args.out.read_text()) if args.out.exists() else []
+    args.out.write_text(json.dumps(existing + rows, indent=1) + "\n")
   return 0
 
 

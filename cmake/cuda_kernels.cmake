@@ -20,9 +20,10 @@ endif()
 # Each kernel family (a folder of cuda_src with kernel.py, export.py and
 # launch.cc) and the architectures it is exported for. The sm80 family also
 # serves Hopper when the sm90 one declines a problem.
-set(JF_KERNEL_FAMILIES fwd_sm80 bwd_sm80)
+set(JF_KERNEL_FAMILIES fwd_sm80 bwd_sm80 bwd_sm90)
 set(JF_FAMILY_ARCHS_fwd_sm80 sm_80 sm_90a)
 set(JF_FAMILY_ARCHS_bwd_sm80 sm_80 sm_90a)
+set(JF_FAMILY_ARCHS_bwd_sm90 sm_90a)
 
 if(JAX_FLASH_AOT_DIR)
   set(jf_aot_dir "${JAX_FLASH_AOT_DIR}")

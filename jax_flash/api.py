@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from jax_flash import configs, ffi, reference, validation, vjp
+from jax_flash import configs, ffi, reference, segments, validation, vjp
 
 
 def _platform_of(*arrays) -> str:
@@ -49,25 +49,32 @@ def select_backend(implementation, platform: str, dtype, shapes: validation.Shap
 
 
 def _attention(q, k, v, shapes, *, scale, diag_offset, window_left, window_right, q_lens,
-               kv_lens, implementation):
+               kv_lens, implementation, segment_ids=(None, None)):
   backend = select_backend(implementation, _platform_of(q, k, v), jnp.result_type(q), shapes)
   empty = 0 in (shapes.batch, shapes.seq_q, shapes.seq_k, shapes.heads_q)
+  q_segment_ids, kv_segment_ids = segment_ids
   if backend == "xla" or empty:
     return reference.attention_reference(
         q, k, v, scale=scale, diag_offset=diag_offset, window_left=window_left,
-        window_right=window_right, q_lens=q_lens, kv_lens=kv_lens)
+        window_right=window_right, q_lens=q_lens, kv_lens=kv_lens,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
   if q_lens is None:
     q_lens = jnp.full((shapes.batch,), shapes.seq_q, jnp.int32)
   if kv_lens is None:
     kv_lens = jnp.full((shapes.batch,), shapes.seq_k, jnp.int32)
+  if q_segment_ids is None:
+    segment_operands = ffi.no_segments(q)
+  else:
+    bounds = segments.segment_bounds(q_segment_ids, kv_segment_ids)
+    segment_operands = ffi.segment_operands(q_segment_ids, kv_segment_ids, *bounds)
   call = ffi.KernelCall(backend=backend, scale=scale, diag_offset=diag_offset,
                         window_left=window_left, window_right=window_right)
-  return vjp.flash_attention(q, k, v, q_lens, kv_lens, call)
+  return vjp.flash_attention(q, k, v, q_lens, kv_lens, *segment_operands, call)
 
 
 def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None = None,
-              query_seq_lengths=None, key_value_seq_lengths=None, return_lse: bool = False,
-              implementation: str | None = None):
+              query_seq_lengths=None, key_value_seq_lengths=None, segment_ids=None,
+              return_lse: bool = False, implementation: str | None = None):
   """FlashAttention: ``softmax(scale * q k^T + mask) v`` without the score matrix.
 
   Args:
@@ -88,6 +95,14 @@ def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None
       output zeros and get zero gradients.
     key_value_seq_lengths: optional int32 ``[batch]``; keys past the length
       are masked.
+    segment_ids: packed documents: an int32 ``[batch, seq]`` array of document
+      ids (self-attention, ``seq_q == seq_k``) or a ``(q_segment_ids
+      [batch, seq_q], kv_segment_ids [batch, seq_k])`` pair. A query attends
+      only to keys with its id; combines with every other mask (causal and
+      window stay aligned to the whole row). The kernels skip the tiles
+      between documents, so a packed row costs about the sum of its
+      documents' work. Ids need not be sorted, but back-to-back documents
+      skip best.
     return_lse: also return the log-sum-exp of the scaled, masked logits,
       float32 ``[batch, heads_q, seq_q]`` (``-inf`` for rows that see no key).
     implementation: ``None`` (default) runs the kernels of the platform the
@@ -111,8 +126,53 @@ def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None
       q_lens=validation.check_lengths(query_seq_lengths, "query_seq_lengths", shapes.batch),
       kv_lens=validation.check_lengths(key_value_seq_lengths, "key_value_seq_lengths",
                                        shapes.batch),
+      segment_ids=validation.check_segment_ids(segment_ids, shapes),
       implementation=implementation)
   return (out, lse) if return_lse else out
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal: bool = False,
+                     window=None, scale: float | None = None, return_lse: bool = False,
+                     implementation: str | None = None):
+  """Attention over a ragged batch packed into one sequence (FlashAttention's
+  varlen interface).
+
+  Args:
+    q: ``[total_q, heads_q, head_dim]``, the documents back to back.
+    k, v: ``[total_k, heads_kv, head_dim(_v)]``.
+    cu_seqlens_q: int32 ``[num_docs + 1]``, document ``d`` is
+      ``q[cu_seqlens_q[d]:cu_seqlens_q[d + 1]]``; starts at 0. Tokens past the
+      last offset are padding: zero output, zero gradient.
+    cu_seqlens_k: the same for ``k``/``v``; ``None`` means the documents of
+      ``q`` (self-attention, the only case where ``causal``/``window`` apply:
+      each document is then causal on its own).
+
+  Returns ``out [total_q, heads_q, head_dim_v]`` (and ``lse [heads_q,
+  total_q]``), differentiable like ``attention``.
+  """
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if jnp.ndim(x) != 3:
+      raise ValueError(f"{name} must have rank 3 [total_tokens, heads, head_dim], got shape "
+                       f"{jnp.shape(x)}")
+  total_q, total_k = jnp.shape(q)[0], jnp.shape(k)[0]
+  cu_seqlens_q = validation.check_offsets(cu_seqlens_q, "cu_seqlens_q", total_q)
+  if cu_seqlens_k is None:
+    if total_k != total_q:
+      raise ValueError("without cu_seqlens_k, k must hold the documents of q: expected "
+                       f"total_k == total_q == {total_q}, got {total_k}")
+    cu_seqlens_k = cu_seqlens_q
+  else:
+    cu_seqlens_k = validation.check_offsets(cu_seqlens_k, "cu_seqlens_k", total_k)
+    if causal or window is not None:
+      raise NotImplementedError("causal or windowed varlen attention needs the documents of q "
+                                "and k to coincide; pass cu_seqlens_k=None")
+  ids = segments.varlen_segment_ids(cu_seqlens_q, total_q, cu_seqlens_k, total_k)
+  result = attention(q[None], k[None], v[None], causal=causal, window=window, scale=scale,
+                     segment_ids=(ids[0][None], ids[1][None]), return_lse=return_lse,
+                     implementation=implementation)
+  if return_lse:
+    return result[0][0], result[1][0]
+  return result[0]
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,

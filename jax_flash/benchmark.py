@@ -13,6 +13,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jax_flash
 
@@ -86,6 +87,30 @@ def measure(impl: str, config: Config, iters: int = 10, backward: bool = True) -
     result["bwd_ms"] = max(total - result["fwd_ms"], 1e-6)
     result["bwd_tflops"] = 2.5 * config.forward_flops() / result["bwd_ms"] / 1e9
   return result
+
+
+def packed_document_ids(seq: int, num_docs: int, seed: int = 0):
+  """[1, seq] int32 ids of num_docs back-to-back documents of random lengths."""
+  rng = np.random.default_rng(seed)
+  cuts = np.sort(rng.choice(np.arange(1, seq), num_docs - 1, replace=False))
+  lengths = np.diff(np.concatenate([[0], cuts, [seq]]))
+  return jnp.asarray(np.repeat(np.arange(num_docs), lengths)[None], jnp.int32), lengths
+
+
+def measure_packed(config: Config, segment_ids, iters: int = 10) -> dict:
+  """Like ``measure`` for jax_flash on one packed row: causal within each
+  document (``segment_ids``), or over the whole row when it is None."""
+  q, k, v, dout = inputs(config)
+  attend = lambda q, k, v: jax_flash.attention(q, k, v, causal=True, segment_ids=segment_ids,
+                                               implementation="flash")
+
+  @jax.jit
+  def forward_backward(q, k, v, dout):
+    return jax.vjp(attend, q, k, v)[1](dout)
+
+  fwd_ms = _time(jax.jit(attend), (q, k, v), iters)
+  total = _time(forward_backward, (q, k, v, dout), iters)
+  return {"fwd_ms": fwd_ms, "bwd_ms": max(total - fwd_ms, 1e-6)}
 
 
 def matmul_ceiling_tflops(n: int = 8192, iters: int = 20) -> float:

@@ -90,18 +90,36 @@ def cuda_kernels_available() -> bool:
   return CUDA_LIBRARY is not None
 
 
-def forward(q, k, v, q_lens, kv_lens, call: KernelCall):
-  """Runs the forward kernel: returns (o [..., T, N, Hv], lse [..., N, T] f32)."""
+def no_segments(q):
+  """The four packed-document operands of a call without segment ids."""
+  empty = jnp.zeros((*q.shape[:-3], 0), jnp.int32)
+  return (empty,) * 4
+
+
+def segment_operands(q_segment_ids, kv_segment_ids, kv_bounds, q_bounds):
+  """The packed-document operands: ids [..., T] / [..., S] and bounds
+  flattened to [..., 2T] / [..., 2S] (the layout of kernel_api.h)."""
+  flat = lambda x: x.reshape(*x.shape[:-2], -1)
+  return q_segment_ids, kv_segment_ids, flat(kv_bounds), flat(q_bounds)
+
+
+def forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call: KernelCall):
+  """Runs the forward kernel: returns (o [..., T, N, Hv], lse [..., N, T] f32).
+
+  The four segment operands come from ``segment_operands`` or ``no_segments``.
+  """
   *batch, seq_q, heads_q, _ = q.shape
   out_types = (
       jax.ShapeDtypeStruct((*batch, seq_q, heads_q, v.shape[-1]), q.dtype),
       jax.ShapeDtypeStruct((*batch, heads_q, seq_q), jnp.float32),
   )
   kernel = jax.ffi.ffi_call(_target(call.backend, "fwd"), out_types, vmap_method="broadcast_all")
-  return kernel(q, k, v, q_lens, kv_lens, **call.attributes())
+  return kernel(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds,
+                **call.attributes())
 
 
-def backward(q, k, v, dout, lse, delta, q_lens, kv_lens, call: KernelCall):
+def backward(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds,
+             call: KernelCall):
   """Runs the backward kernel: returns (dq f32, dk, dv)."""
   out_types = (
       jax.ShapeDtypeStruct(q.shape, jnp.float32),
@@ -109,7 +127,8 @@ def backward(q, k, v, dout, lse, delta, q_lens, kv_lens, call: KernelCall):
       jax.ShapeDtypeStruct(v.shape, v.dtype),
   )
   kernel = jax.ffi.ffi_call(_target(call.backend, "bwd"), out_types, vmap_method="broadcast_all")
-  return kernel(q, k, v, dout, lse, delta, q_lens, kv_lens, **call.attributes())
+  return kernel(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds,
+                **call.attributes())
 
 
 @functools.cache

@@ -11,13 +11,14 @@ import jax.numpy as jnp
 
 
 def visible_mask(seq_q: int, seq_k: int, *, diag_offset: int, window_left: int,
-                 window_right: int, q_lens=None, kv_lens=None):
+                 window_right: int, q_lens=None, kv_lens=None, q_segment_ids=None,
+                 kv_segment_ids=None):
   """Boolean [B or 1, 1, T, S]: which key each query row may attend to.
 
   The convention of ``cuda_src/include/jax_flash/kernel_api.h``: row i sees
   column j when ``i + diag_offset - window_left <= j <= i + diag_offset +
-  window_right`` (a negative window is unbounded on that side) and both lie
-  within their sequence lengths.
+  window_right`` (a negative window is unbounded on that side), both lie
+  within their sequence lengths and, with segment ids, carry the same id.
   """
   rows = jnp.arange(seq_q)[:, None]
   cols = jnp.arange(seq_k)[None, :]
@@ -31,11 +32,14 @@ def visible_mask(seq_q: int, seq_k: int, *, diag_offset: int, window_left: int,
     visible = visible & (jnp.arange(seq_q)[None, None, :, None] < q_lens[:, None, None, None])
   if kv_lens is not None:
     visible = visible & (jnp.arange(seq_k)[None, None, None, :] < kv_lens[:, None, None, None])
+  if q_segment_ids is not None:
+    visible = visible & (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
   return visible
 
 
 def attention_reference(q, k, v, *, scale: float, diag_offset: int = 0, window_left: int = -1,
-                        window_right: int = -1, q_lens=None, kv_lens=None, compute_dtype=None):
+                        window_right: int = -1, q_lens=None, kv_lens=None, q_segment_ids=None,
+                        kv_segment_ids=None, compute_dtype=None):
   """Masked softmax attention; returns (out [B,T,N,Hv], lse [B,N,T] float32).
 
   ``compute_dtype=None`` multiplies in the input dtype with float32
@@ -55,7 +59,8 @@ def attention_reference(q, k, v, *, scale: float, diag_offset: int = 0, window_l
   scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=acc_dtype)
   scores = scores.astype(acc_dtype) * jnp.asarray(scale, acc_dtype)
   visible = visible_mask(seq_q, seq_k, diag_offset=diag_offset, window_left=window_left,
-                         window_right=window_right, q_lens=q_lens, kv_lens=kv_lens)
+                         window_right=window_right, q_lens=q_lens, kv_lens=kv_lens,
+                         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
   visible = visible[:, :, None]  # broadcast over [B, K, G, T, S]
   scores = jnp.where(visible, scores, -jnp.inf)
   row_max = jnp.max(scores, axis=-1, keepdims=True, initial=-jnp.inf)

@@ -101,3 +101,50 @@ def check_lengths(lengths, name: str, batch: int):
 def check_implementation(implementation, allowed=IMPLEMENTATIONS) -> None:
   if implementation not in allowed:
     raise ValueError(f"implementation must be one of {allowed}, got {implementation!r}")
+
+
+def check_segment_ids(segment_ids, shapes: Shapes):
+  """(q_segment_ids [B, T], kv_segment_ids [B, S]) int32, or (None, None).
+
+  Accepts one [B, T] array for self-attention (T == S) or a pair.
+  """
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise ValueError("segment_ids must be one [batch, seq] array or a (q_segment_ids, "
+                       f"kv_segment_ids) pair, got a sequence of {len(segment_ids)}")
+    q_ids, kv_ids = segment_ids
+  else:
+    if shapes.seq_q != shapes.seq_k:
+      raise ValueError("one segment_ids array needs seq_q == seq_k; pass (q_segment_ids, "
+                       f"kv_segment_ids), got seq_q={shapes.seq_q}, seq_k={shapes.seq_k}")
+    q_ids = kv_ids = segment_ids
+  checked = []
+  for name, ids, seq in (("q_segment_ids", q_ids, shapes.seq_q),
+                         ("kv_segment_ids", kv_ids, shapes.seq_k)):
+    ids = jnp.asarray(ids)
+    if ids.shape != (shapes.batch, seq):
+      raise ValueError(f"{name} must have shape ({shapes.batch}, {seq}), got {ids.shape}")
+    if ids.dtype != jnp.int32:
+      raise ValueError(f"{name} must have dtype int32, got {ids.dtype}")
+    checked.append(ids)
+  return tuple(checked)
+
+
+def check_offsets(cu_seqlens, name: str, total: int):
+  """FlashAttention-style cumulative offsets: int32 [num_docs + 1]."""
+  cu_seqlens = jnp.asarray(cu_seqlens)
+  if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+    raise ValueError(f"{name} must have shape (num_docs + 1,) with num_docs >= 1, got "
+                     f"{cu_seqlens.shape}")
+  if cu_seqlens.dtype != jnp.int32:
+    raise ValueError(f"{name} must have dtype int32, got {cu_seqlens.dtype}")
+  try:
+    concrete = np.asarray(cu_seqlens)
+  except Exception:  # traced: checked by the caller's data pipeline, not here
+    return cu_seqlens
+  if concrete[0] != 0 or np.any(np.diff(concrete) < 0) or concrete[-1] > total:
+    raise ValueError(f"{name} must start at 0, never decrease and end at most at the "
+                     f"{total} packed tokens, got {concrete.tolist()}")
+  return cu_seqlens

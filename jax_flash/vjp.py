@@ -7,29 +7,32 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_flash import ffi
+from jax_flash import ffi, sharding
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def flash_attention(q, k, v, q_lens, kv_lens, call: ffi.KernelCall):
-  """Returns (out, lse) from the kernels of ``call.backend``."""
-  return ffi.forward(q, k, v, q_lens, kv_lens, call)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def flash_attention(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds,
+                    call: ffi.KernelCall):
+  """Returns (out, lse) from the kernels of ``call.backend``; the integer
+  operands are those of ``ffi.forward``."""
+  return sharding.forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call)
 
 
-def _forward(q, k, v, q_lens, kv_lens, call):
-  out, lse = ffi.forward(q, k, v, q_lens, kv_lens, call)
-  return (out, lse), (q, k, v, out, lse, q_lens, kv_lens)
+def _forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call):
+  masks = (q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds)
+  out, lse = sharding.forward(q, k, v, *masks, call)
+  return (out, lse), (q, k, v, out, lse, masks)
 
 
 def _backward(call, residuals, cotangents):
-  q, k, v, out, lse, q_lens, kv_lens = residuals
+  q, k, v, out, lse, masks = residuals
   dout, dlse = cotangents
   # d(lse)/d(scores) is the probability row, so an lse cotangent folds into
   # the same correction term as rowsum(dout * out).
   delta = jnp.einsum("...tnh,...tnh->...nt", dout.astype(jnp.float32), out.astype(jnp.float32))
   delta = delta - dlse.astype(jnp.float32)
-  dq, dk, dv = ffi.backward(q, k, v, dout.astype(q.dtype), lse, delta, q_lens, kv_lens, call)
-  return dq.astype(q.dtype), dk, dv, None, None
+  dq, dk, dv = sharding.backward(q, k, v, dout.astype(q.dtype), lse, delta, *masks, call)
+  return (dq.astype(q.dtype), dk, dv) + (None,) * len(masks)
 
 
 flash_attention.defvjp(_forward, _backward)

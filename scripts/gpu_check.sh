@@ -32,8 +32,10 @@ if [[ $STAGE == tests || $STAGE == all ]]; then
   step "python -m jax_flash --no-bench"
   "$PYTHON" -m jax_flash --no-bench 2>&1 | tee "$OUT/check.log"
   step "GPU tests"
-  "$PYTHON" -m pytest tests/test_backends.py tests/test_errors.py -k "Gpu or errors" -q \
-      -p no:cacheprovider --maxfail=20 --durations=5 2>&1 | tee "$OUT/tests.log"
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several test processes share the GPU
+  "$PYTHON" -m pytest tests/test_backends.py tests/test_errors.py tests/test_cuda_graphs.py \
+      -k "Gpu or errors or graphs" -q -n 8 -p no:cacheprovider --maxfail=20 --durations=5 \
+      2>&1 | tee "$OUT/tests.log"
   step "compute-sanitizer memcheck + racecheck on a small problem"
   for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool --error-exitcode 3 "$PYTHON" scripts/sanitizer_case.py \
@@ -44,9 +46,9 @@ fi
 
 if [[ $STAGE == bench || $STAGE == all ]]; then
   step "benchmark"
-  "$PYTHON" benchmarks/bench_attention.py --head-dims 64 128 256 --seqs 2048 8192 \
+  "$PYTHON" benchmarks/bench_attention.py --head-dims 64 128 256 --seqs ${BENCH_SEQS:-2048 8192} \
       --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
-  "$PYTHON" benchmarks/bench_attention.py --head-dims 128 --seqs 32768 --causal yes \
+  "$PYTHON" benchmarks/bench_attention.py --head-dims 128 --packed-docs 8 \
       --out "$OUT/bench.json" 2>&1 | tail -3 | tee -a "$OUT/bench.log"
 fi
 step done

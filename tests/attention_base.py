@@ -30,14 +30,29 @@ def run_attention(q, k, v, dout, implementation, **kwargs):
   return tuple(np.asarray(jnp.asarray(x, jnp.float32)) for x in forward_backward(q, k, v, dout))
 
 
-def mask_kwargs(seq_q, seq_k, causal=False, window=None, q_lens=None, kv_lens=None):
+def mask_kwargs(seq_q, seq_k, causal=False, window=None, q_lens=None, kv_lens=None,
+                segment_ids=None):
   """The reference's mask arguments for jax_flash.attention's conventions."""
   left, right = (-1, -1) if window is None else (
       -1 if window[0] is None else window[0], -1 if window[1] is None else window[1])
   if causal:
     right = 0 if right < 0 else min(right, 0)
+  q_ids, kv_ids = (segment_ids if isinstance(segment_ids, tuple)
+                   else (segment_ids, segment_ids))
   return dict(diag_offset=seq_k - seq_q, window_left=left, window_right=right, q_lens=q_lens,
-              kv_lens=kv_lens)
+              kv_lens=kv_lens, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+
+
+def packed_segment_ids(seed, batch, seq, num_docs, padding=0):
+  """[batch, seq] int32 ids of num_docs back-to-back documents of random
+  lengths per row, then `padding` tokens of id -1."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for _ in range(batch):
+    cuts = np.sort(rng.choice(np.arange(1, seq - padding), num_docs - 1, replace=False))
+    lengths = np.diff(np.concatenate([[0], cuts, [seq - padding]]))
+    rows.append(np.concatenate([np.repeat(np.arange(num_docs), lengths), -np.ones(padding)]))
+  return jnp.asarray(np.stack(rows), jnp.int32)
 
 
 class AttentionTestBase:
@@ -49,13 +64,15 @@ class AttentionTestBase:
   long_seq = 4097
 
   def check(self, *, batch=2, seq_q=113, seq_k=241, heads_q=4, heads_kv=2, head_dim=64,
-            dtype=jnp.bfloat16, causal=False, window=None, q_lens=None, kv_lens=None, seed=0):
+            dtype=jnp.bfloat16, causal=False, window=None, q_lens=None, kv_lens=None,
+            segment_ids=None, seed=0):
     q, k, v, dout = numerics.random_qkv(seed, batch, seq_q, seq_k, heads_q, heads_kv, head_dim,
                                         dtype)
     scale = 1.0 / np.sqrt(head_dim)
     got = run_attention(q, k, v, dout, self.implementation, causal=causal, window=window,
-                        query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens)
-    mask = mask_kwargs(seq_q, seq_k, causal, window, q_lens, kv_lens)
+                        query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
+                        segment_ids=segment_ids)
+    mask = mask_kwargs(seq_q, seq_k, causal, window, q_lens, kv_lens, segment_ids)
     ref = numerics.float64_reference(q, k, v, dout, scale=scale, **mask)
     naive = numerics.naive(q, k, v, dout, scale=scale, **mask)
     for name, g, r, n in zip(("out", "lse", "dq", "dk", "dv"), got, ref, naive):
@@ -168,3 +185,51 @@ class AttentionTestBase:
                                            for x in (q, k, v)), implementation="xla", **kwargs)
     numerics.assert_within_tolerance("out", np.asarray(got, np.float32), ref,
                                      np.asarray(want, np.float32), self.dtypes[0])
+
+  @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+  def test_packed_documents(self, causal):
+    ids = packed_segment_ids(8, batch=2, seq=300, num_docs=5, padding=13)
+    out, lse, dq, dk, dv = self.check(seq_q=300, seq_k=300, segment_ids=ids, causal=causal,
+                                      window=(None, None) if causal else (60, None),
+                                      dtype=self.dtypes[0])
+    # Queries and keys of the padding (id -1 on both sides) see each other.
+    assert np.all(np.isfinite(lse[:, :, -13:]))
+
+  def test_cross_segments_and_padding_queries(self):
+    q_ids = packed_segment_ids(9, batch=2, seq=120, num_docs=4, padding=7)
+    kv_ids = packed_segment_ids(10, batch=2, seq=200, num_docs=4, padding=0)
+    out, lse, dq, dk, dv = self.check(seq_q=120, seq_k=200, segment_ids=(q_ids, kv_ids),
+                                      dtype=self.dtypes[0])
+    # Padding queries (id -1) match no key: zero output and gradient.
+    assert np.all(out[:, -7:] == 0) and np.all(dq[:, -7:] == 0)
+    assert np.all(np.isneginf(lse[:, :, -7:]))
+
+  def test_documents_are_independent(self):
+    ids = packed_segment_ids(11, batch=1, seq=256, num_docs=4)
+    q, k, v, dout = numerics.random_qkv(12, 1, 256, 256, 4, 2, self.head_dims[0], self.dtypes[0])
+    first = run_attention(q, k, v, dout, self.implementation, causal=True, segment_ids=ids)
+    changed = ids[0] == 2
+    bump = lambda x: jnp.where(changed[None, :, None, None], x * 2 + 1, x)
+    second = run_attention(bump(q), bump(k), bump(v), bump(dout), self.implementation,
+                           causal=True, segment_ids=ids)
+    keep = ~np.asarray(changed)
+    names = ("out", "lse", "dq", "dk", "dv")
+    for name, a, b in zip(names, first, second):
+      if name == "dq" and not self.deterministic_backward:
+        continue  # accumulated with atomics: equal up to the order of additions
+      token_axis = 2 if a.ndim == 3 else 1  # lse is [B, N, T]
+      chex.assert_trees_all_equal(np.compress(keep, a, axis=token_axis),
+                                  np.compress(keep, b, axis=token_axis))
+
+  def test_varlen_matches_separate_documents(self):
+    offsets = [0, 37, 38, 200, 310]
+    total = 330  # 20 tokens of padding past the last document
+    q, k, v, _ = numerics.random_qkv(13, 1, total, total, 4, 2, self.head_dims[0], self.dtypes[0])
+    packed = jax_flash.varlen_attention(q[0], k[0], v[0], jnp.array(offsets, jnp.int32),
+                                        causal=True, implementation=self.implementation)
+    for start, end in zip(offsets[:-1], offsets[1:]):
+      alone = jax_flash.attention(q[:, start:end], k[:, start:end], v[:, start:end], causal=True,
+                                  implementation=self.implementation)
+      chex.assert_trees_all_close(packed[start:end], alone[0], atol=1e-2 if
+                                  self.dtypes[0] != jnp.float32 else 1e-5, rtol=1e-2)
+    assert np.all(np.asarray(packed[offsets[-1]:]) == 0)

@@ -155,4 +155,4 @@ def test_handler_rejects_inconsistent_buffers():
   call = ffi.KernelCall(backend="cpu", scale=0.125, diag_offset=0, window_left=-1, window_right=-1)
   lens = jax.device_put((jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32)), cpu)
   with pytest.raises(Exception, match=r"jax_flash: q_lens has 3 elements, expected 2"):
-    jax.block_until_ready(ffi.forward(q, k, v, *lens, call))
+    jax.block_until_ready(ffi.forward(q, k, v, *lens, *ffi.no_segments(q), call))

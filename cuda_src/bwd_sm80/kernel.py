@@ -13,11 +13,16 @@ accumulation):
 
 Q, dO, lse and delta are double buffered: the cp.async loads of the next query
 tile are in flight while the current one is computed.
+
+The packed-document variant (has_segments) also requires equal segment ids:
+each CTA narrows its query range to the union of its keys' q_bounds and
+compares ids on every visited tile (the bounds only say where visible
+queries can be, not that every query inside them is visible).
 """
 
 import math
 from dataclasses import dataclass
-from typing import Type
+from typing import Optional, Type
 
 import cuda.bindings.driver as cuda
 
@@ -30,6 +35,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 LOG2E = math.log2(math.e)
 NUM_THREADS = 256  # 8 warps
+INT32_MAX = 2**31 - 1
 SMEM_CAPACITY_SM80 = 163 * 1024
 
 
@@ -59,11 +65,14 @@ TILE_CONFIGS = {
 
 
 class FlashBwdSm80:
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, arch: str = "sm_80"):
+    def __init__(
+        self, dtype: Type[cutlass.Numeric], head_dim: int, arch: str = "sm_80", has_segments: bool = False
+    ):
         if not self.can_implement(dtype, head_dim):
             raise NotImplementedError(f"no sm80 backward for dtype={dtype}, head_dim={head_dim}")
         self.dtype = dtype
         self.head_dim = head_dim
+        self.has_segments = has_segments
         cfg = TILE_CONFIGS[head_dim]
         self.m_block = cfg.m_block
         self.n_block = cfg.n_block
@@ -137,6 +146,9 @@ class FlashBwdSm80:
         key_lo: Int32,
         key_hi: Int32,
         stream: cuda.CUstream,
+        mQSeg: Optional[cute.Tensor] = None,  # [B, T] i32, segment variant only
+        mKVSeg: Optional[cute.Tensor] = None,  # [B, S] i32
+        mQBounds: Optional[cute.Tensor] = None,  # [B, S, 2] i32
     ):
         """key_lo/key_hi bound j - i for a visible (query i, key j) pair. The
         launcher derives them from diag_offset and the window and clamps them
@@ -144,6 +156,8 @@ class FlashBwdSm80:
         arithmetic below cannot overflow."""
         if cutlass.const_expr(mQ.element_type != self.dtype):
             raise TypeError("q dtype does not match the compiled variant")
+        if cutlass.const_expr(self.has_segments != (mQSeg is not None)):
+            raise TypeError("segment tensors must be given exactly for the has_segments variant")
         D, M, N = self.head_dim, self.m_block, self.n_block
         sQ_layout = self._smem_layout(M, D, self.num_stages)
         sKV_layout = self._smem_layout(N, D)
@@ -160,6 +174,8 @@ class FlashBwdSm80:
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
+            # Per-warp partial (min first, max last) of the keys' q_bounds.
+            sSegRange: cute.struct.MemRange[Int32, 2 * (NUM_THREADS // 32)]
 
         # 16-byte cp.async rows for Q/K/V/dO, 4-byte ones for lse/delta.
         vec = 128 // self.dtype.width
@@ -178,7 +194,7 @@ class FlashBwdSm80:
         grid = (cute.ceil_div(mK.shape[1], N), mK.shape[2], mK.shape[0])
         self.kernel(
             mQ, mK, mV, mdO, mLSE, mDelta, mQLens, mKVLens, mdQ, mdK, mdV,
-            scale, scale * LOG2E, key_lo, key_hi,
+            scale, scale * LOG2E, key_lo, key_hi, mQSeg, mKVSeg, mQBounds,
             sQ_layout, sKV_layout, sPdS_layout, sStat_layout,
             gmem_copy_tile, gmem_store_tile, gmem_copy_stat,
             self._tiled_mma(self.atoms_sdp), self._tiled_mma(self.atoms_dkv), self._tiled_mma(self.atoms_dq),
@@ -193,6 +209,7 @@ class FlashBwdSm80:
         mLSE: cute.Tensor, mDelta: cute.Tensor, mQLens: cute.Tensor, mKVLens: cute.Tensor,
         mdQ: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
         scale: Float32, scale_log2: Float32, lo: Int32, hi: Int32,
+        mQSeg: Optional[cute.Tensor], mKVSeg: Optional[cute.Tensor], mQBounds: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
         sPdS_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
         gmem_copy_tile: cute.TiledCopy, gmem_store_tile: cute.TiledCopy, gmem_copy_stat: cute.TiledCopy,
@@ -215,6 +232,15 @@ class FlashBwdSm80:
         # Rows [row_begin, row_end) see at least one key of this tile.
         row_begin = cutlass.max(n0 - hi, 0)
         row_end = cutlass.min(q_len, n_last - lo + 1)
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        if cutlass.const_expr(self.has_segments):
+            seg_begin, seg_end = self._q_bounds_union(
+                mQBounds, storage.sSegRange.get_tensor(cute.make_layout(2 * (NUM_THREADS // 32))),
+                batch, n0, n_last, tidx,
+            )
+            row_begin = cutlass.max(row_begin, seg_begin)
+            row_end = cutlass.min(row_end, seg_end)
         m_block_min = row_begin // M
         m_blocks = Int32(0)
         if n_last >= n0 and row_end > row_begin:
@@ -222,8 +248,6 @@ class FlashBwdSm80:
         n_iters = m_blocks * group
 
         # ---- shared memory
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
         sdO = storage.sdO.get_tensor(sQ_layout)
         sK = storage.sK.get_tensor(sKV_layout)
@@ -289,6 +313,14 @@ class FlashBwdSm80:
         # Coordinates of this thread's S/dP and dQ accumulator elements.
         tScS = self._acc_mn(thr_sdp.partition_C(cute.make_identity_tensor((M, N))))
         tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((M, D)))
+        # Segment ids of this thread's S columns (fixed for the CTA) and rows.
+        num_rows = cute.size(tScS, mode=[0])
+        num_cols = cute.size(tScS, mode=[1])
+        row_seg = cute.make_rmem_tensor(num_rows, Int32)
+        col_seg = cute.make_rmem_tensor(num_cols, Int32)
+        if cutlass.const_expr(self.has_segments):
+            for c in cutlass.range_constexpr(num_cols):
+                col_seg[c] = mKVSeg[batch, cutlass.min(n0 + tScS[0, c][1], seqlen_k - 1)]
 
         gmem_thr = gmem_copy_tile.get_slice(tidx)
         cTile = cute.make_identity_tensor((M, D))
@@ -321,6 +353,11 @@ class FlashBwdSm80:
             m0 = m_block * M
 
             # S = Q K^T, then P in place.
+            if cutlass.const_expr(self.has_segments):
+                # Loaded ahead of the MMAs to hide their latency; rows past
+                # seqlen_q read a clamped id and are masked by q_len anyway.
+                for r in cutlass.range_constexpr(num_rows):
+                    row_seg[r] = mQSeg[batch, cutlass.min(m0 + tScS[r, 0][0], seqlen_q - 1)]
             acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((M, N)), Float32)
             acc_S.fill(0.0)
             self._gemm(mma_sdp, acc_S, tSrQ, tSrK, tSsQ[None, None, None, stage], tSsK, s2r_sdp_A, s2r_sdp_B, tidx)
@@ -341,7 +378,9 @@ class FlashBwdSm80:
                 and n0 - (m0 + M - 1) >= lo
                 and (n0 + N - 1) - m0 <= hi
             )
-            if not full_tile:
+            if cutlass.const_expr(self.has_segments):
+                self._apply_mask(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi, row_seg, col_seg)
+            elif not full_tile:
                 self._apply_mask(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi)
 
             # dP = dO V^T, then dS = P * (dP - delta) in place.
@@ -425,7 +464,35 @@ class FlashBwdSm80:
                 cute.copy(tiled_copy, tXrX[None, m, None], tXgX[None, m, None])
 
     @cute.jit
-    def _apply_mask(self, acc_mn, tScS, m0, n0, q_len, kv_len, lo, hi):
+    def _q_bounds_union(self, mQBounds, sSegRange, batch, n0, n_last, tidx):
+        """[min first, max last) of q_bounds over keys [n0, n_last]; keys with
+        empty bounds are seen by no query and add nothing. Every thread gets
+        the result (n_block <= NUM_THREADS, so one key per thread suffices)."""
+        first = Int32(INT32_MAX)
+        last = Int32(0)
+        key = n0 + tidx
+        if tidx < self.n_block and key <= n_last:
+            b0 = mQBounds[batch, key, 0]
+            b1 = mQBounds[batch, key, 1]
+            if b1 > b0:
+                first = b0
+                last = b1
+        for i in cutlass.range_constexpr(5):
+            offset = 16 >> i
+            first = cutlass.min(first, cute.arch.shuffle_sync_bfly(first, offset=offset))
+            last = cutlass.max(last, cute.arch.shuffle_sync_bfly(last, offset=offset))
+        warp_idx = tidx // 32
+        if tidx % 32 == 0:
+            sSegRange[2 * warp_idx] = first
+            sSegRange[2 * warp_idx + 1] = last
+        cute.arch.barrier()
+        for w in cutlass.range_constexpr(NUM_THREADS // 32):
+            first = cutlass.min(first, sSegRange[2 * w])
+            last = cutlass.max(last, sSegRange[2 * w + 1])
+        return first, last
+
+    @cute.jit
+    def _apply_mask(self, acc_mn, tScS, m0, n0, q_len, kv_len, lo, hi, row_seg=None, col_seg=None):
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
             row = m0 + tScS[r, 0][0]
             # Visible keys of this row, as tile-local columns [col_lo, col_hi).
@@ -435,7 +502,10 @@ class FlashBwdSm80:
                 col_hi = Int32(0)
             for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
                 col = tScS[r, c][1]
-                if col < col_lo or col >= col_hi:
+                if cutlass.const_expr(row_seg is not None):
+                    if col < col_lo or col >= col_hi or row_seg[r] != col_seg[c]:
+                        acc_mn[r, c] = Float32(0.0)
+                elif col < col_lo or col >= col_hi:
                     acc_mn[r, c] = Float32(0.0)
 
     @cute.jit

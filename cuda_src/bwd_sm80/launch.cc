@@ -15,9 +15,11 @@
 // "{ global: jax_flash_*; local: *; };" leaves only the entry points
 // (checked with nm -D).
 //
-// All 20 variants of both arches link into one library without duplicate
+// All 40 variants of both arches link into one library without duplicate
 // symbols: each object's symbols carry its function_prefix
-// (jf_bwd_<arch>_<dtype>_hd<d>), and the static DSL runtime is linked once.
+// (jf_bwd_<arch>_<dtype>_hd<d>, or jf_bwdseg_... for the packed-document
+// variants that run when has_segments is 1), and the static DSL runtime is
+// linked once.
 //
 // Compute capability 8.x runs the sm_80 objects, 9.x the sm_90a ones.
 
@@ -88,6 +90,16 @@ struct Lens {  // [batch]
   void* data;
   int32_t shape[1];
 };
+struct SegIds {  // [batch, seqlen]
+  void* data;
+  int32_t shape[2];
+  int64_t stride[1];
+};
+struct Bounds {  // [batch, seqlen, 2]
+  void* data;
+  int32_t shape[2];
+  int64_t stride[1];
+};
 
 Bthd MakeBthd(const void* p, int32_t b, int32_t t, int32_t h, int32_t d) {
   return Bthd{const_cast<void*>(p), {b, t, h}, {int64_t{t} * h * d, int64_t{h} * d}};
@@ -100,13 +112,17 @@ struct LaunchArgs {
   Bthd q, k, v, dout, dq, dk, dv;
   Bht lse, delta;
   Lens q_lens, kv_lens;
+  SegIds q_seg, kv_seg;  // segment variants only
+  Bounds q_bounds;
   float scale;
   int32_t key_lo, key_hi;
 };
 
 // One function per variant: load its module once (thread-safe) and call the
 // exported wrapper. Its tensor structs have the same layout as ours.
-#define JF_BWD_DEFINE_LAUNCH(ARCH, DTYPE, HDIM, PREFIX)                                           \
+// SEG_ARGS is empty for the plain variants and appends the segment tensors
+// for the has_segments ones.
+#define JF_BWD_DEFINE_LAUNCH_IMPL(PREFIX, SEG_ARGS)                                               \
   int Launch_##PREFIX(const LaunchArgs& a, cudaStream_t stream, char* err, size_t err_len) {      \
     static PREFIX##_Kernel_Module_t module;                                                        \
     static std::once_flag once;                                                                    \
@@ -131,23 +147,40 @@ struct LaunchArgs {
     auto* dk = reinterpret_cast<PREFIX##_Tensor_mdK_t*>(const_cast<Bthd*>(&a.dk));                 \
     auto* dv = reinterpret_cast<PREFIX##_Tensor_mdV_t*>(const_cast<Bthd*>(&a.dv));                 \
     int32_t rc = cute_dsl_##PREFIX##_wrapper(&module, q, k, v, dout, lse, delta, ql, kl, dq, dk, dv, \
-                                             a.scale, a.key_lo, a.key_hi, stream);                 \
+                                             a.scale, a.key_lo, a.key_hi, stream SEG_ARGS(PREFIX));\
     if (rc != 0) return Fail(err, err_len, "jax_flash_bwd_sm80: " #PREFIX " returned %d", rc);    \
     return 0;                                                                                      \
   }
+#define JF_BWD_NO_SEG_ARGS(PREFIX)
+#define JF_BWD_SEG_ARGS(PREFIX)                                                     \
+  , reinterpret_cast<PREFIX##_Tensor_mQSeg_t*>(const_cast<SegIds*>(&a.q_seg)),      \
+      reinterpret_cast<PREFIX##_Tensor_mKVSeg_t*>(const_cast<SegIds*>(&a.kv_seg)),  \
+      reinterpret_cast<PREFIX##_Tensor_mQBounds_t*>(const_cast<Bounds*>(&a.q_bounds))
+#define JF_BWD_DEFINE_LAUNCH(ARCH, DTYPE, HDIM, PREFIX) JF_BWD_DEFINE_LAUNCH_IMPL(PREFIX, JF_BWD_NO_SEG_ARGS)
+#define JF_BWD_DEFINE_SEG_LAUNCH(ARCH, DTYPE, HDIM, PREFIX) JF_BWD_DEFINE_LAUNCH_IMPL(PREFIX, JF_BWD_SEG_ARGS)
 JF_BWD_SM80_VARIANTS_SM80(JF_BWD_DEFINE_LAUNCH)
 JF_BWD_SM80_VARIANTS_SM90A(JF_BWD_DEFINE_LAUNCH)
+JF_BWD_SM80_SEG_VARIANTS_SM80(JF_BWD_DEFINE_SEG_LAUNCH)
+JF_BWD_SM80_SEG_VARIANTS_SM90A(JF_BWD_DEFINE_SEG_LAUNCH)
+#undef JF_BWD_DEFINE_SEG_LAUNCH
 #undef JF_BWD_DEFINE_LAUNCH
+#undef JF_BWD_SEG_ARGS
+#undef JF_BWD_NO_SEG_ARGS
+#undef JF_BWD_DEFINE_LAUNCH_IMPL
 
 using LaunchFn = int (*)(const LaunchArgs&, cudaStream_t, char*, size_t);
 
-LaunchFn FindVariant(int arch, JfDtype dtype, int head_dim) {
+LaunchFn FindVariant(int arch, JfDtype dtype, int head_dim, bool has_segments) {
 #define JF_BWD_MATCH(ARCH, DTYPE, HDIM, PREFIX) \
   if (dtype == DTYPE && head_dim == HDIM) return &Launch_##PREFIX;
-  if (arch == 80) {
+  if (arch == 80 && !has_segments) {
     JF_BWD_SM80_VARIANTS_SM80(JF_BWD_MATCH)
-  } else if (arch == 90) {
+  } else if (arch == 90 && !has_segments) {
     JF_BWD_SM80_VARIANTS_SM90A(JF_BWD_MATCH)
+  } else if (arch == 80) {
+    JF_BWD_SM80_SEG_VARIANTS_SM80(JF_BWD_MATCH)
+  } else if (arch == 90) {
+    JF_BWD_SM80_SEG_VARIANTS_SM90A(JF_BWD_MATCH)
   }
 #undef JF_BWD_MATCH
   return nullptr;
@@ -179,6 +212,8 @@ extern "C" int jax_flash_bwd_sm80(const JfBwdArgs* args, void* stream_ptr, char*
                 p.head_dim);
   if (!(p.scale == p.scale) || p.scale == INFINITY || p.scale == -INFINITY)
     return Fail(err, err_len, "jax_flash_bwd_sm80: scale must be finite");
+  if (p.has_segments != 0 && p.has_segments != 1)
+    return Fail(err, err_len, "jax_flash_bwd_sm80: has_segments must be 0 or 1, got %d", p.has_segments);
   if (p.heads_kv > 65535 || p.batch > 65535)
     return Fail(err, err_len, "jax_flash_bwd_sm80: batch (%d) and heads_kv (%d) must be <= 65535", p.batch,
                 p.heads_kv);
@@ -188,6 +223,7 @@ extern "C" int jax_flash_bwd_sm80(const JfBwdArgs* args, void* stream_ptr, char*
   const size_t q_elems = size_t(B) * T * Hq * D;
   const size_t kv_elems = size_t(B) * S * Hkv * D;
   if (q_elems == 0 && kv_elems == 0) return 0;
+  const bool seg = p.has_segments == 1;
 
   struct {
     const void* ptr;
@@ -201,6 +237,9 @@ extern "C" int jax_flash_bwd_sm80(const JfBwdArgs* args, void* stream_ptr, char*
       {args->q_lens, "q_lens", B > 0, 4},       {args->kv_lens, "kv_lens", B > 0, 4},
       {args->dq_accum, "dq_accum", q_elems > 0, 16}, {args->dk, "dk", kv_elems > 0, 16},
       {args->dv, "dv", kv_elems > 0, 16},
+      {args->q_segment_ids, "q_segment_ids", seg && q_elems > 0 && kv_elems > 0, 4},
+      {args->kv_segment_ids, "kv_segment_ids", seg && q_elems > 0 && kv_elems > 0, 4},
+      {args->q_bounds, "q_bounds", seg && q_elems > 0 && kv_elems > 0, 4},
   };
   for (const auto& e : ptrs) {
     if (!e.needed) continue;
@@ -226,7 +265,7 @@ extern "C" int jax_flash_bwd_sm80(const JfBwdArgs* args, void* stream_ptr, char*
 
   int arch = 0;
   if (CurrentArch(err, err_len, &arch) != 0) return 1;
-  LaunchFn launch = FindVariant(arch, p.dtype, D);
+  LaunchFn launch = FindVariant(arch, p.dtype, D, seg);
   if (launch == nullptr)
     return Fail(err, err_len, "jax_flash_bwd_sm80: no kernel for compute capability %d.x (needs 8.x or 9.x)",
                 arch > 0 ? arch / 10 : -arch);
@@ -251,6 +290,9 @@ extern "C" int jax_flash_bwd_sm80(const JfBwdArgs* args, void* stream_ptr, char*
   a.delta = MakeBht(args->delta, B, Hq, T);
   a.q_lens = Lens{const_cast<int32_t*>(args->q_lens), {B}};
   a.kv_lens = Lens{const_cast<int32_t*>(args->kv_lens), {B}};
+  a.q_seg = SegIds{const_cast<int32_t*>(args->q_segment_ids), {B, T}, {int64_t{T}}};
+  a.kv_seg = SegIds{const_cast<int32_t*>(args->kv_segment_ids), {B, S}, {int64_t{S}}};
+  a.q_bounds = Bounds{const_cast<int32_t*>(args->q_bounds), {B, S}, {int64_t{S} * 2}};
   a.scale = p.scale;
   a.key_lo = int32_t(lo);
   a.key_hi = int32_t(hi);

@@ -1,7 +1,7 @@
 // Scalar numerics of the CPU attention kernels: conversions between float
 // and the 16-bit storage types (round to nearest even, written out so the
 // kernels need nothing beyond the standard library) and a branch-free exp2.
-// Internal to attention_cpu.cc; a header so tests can reach the converters.
+// Internal to the CPU kernels; a header so tests can reach the converters.
 #ifndef JAX_FLASH_CPU_ATTENTION_CPU_H_
 #define JAX_FLASH_CPU_ATTENTION_CPU_H_
 

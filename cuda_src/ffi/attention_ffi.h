@@ -157,11 +157,45 @@ inline ffi::Error CheckStats(const char* name, const ffi::AnyBuffer& buf,
                         int64_t{p.batch} * p.heads_q * p.seqlen_q);
 }
 
+// The packed-document operands: all four empty (no segments) or all sized
+// [batch, seqlen_q], [batch, seqlen_k], [batch, seqlen_q * 2], [batch, seqlen_k * 2].
+struct SegmentBuffers {
+  const ffi::AnyBuffer& q_ids;
+  const ffi::AnyBuffer& kv_ids;
+  const ffi::AnyBuffer& kv_bounds;
+  const ffi::AnyBuffer& q_bounds;
+};
+
+template <typename Args>
+ffi::Error ReadSegments(const SegmentBuffers& seg, Args* args) {
+  JfProblem& p = args->problem;
+  const size_t present = (seg.q_ids.element_count() > 0) + (seg.kv_ids.element_count() > 0) +
+                         (seg.kv_bounds.element_count() > 0) +
+                         (seg.q_bounds.element_count() > 0);
+  if (present == 0) {
+    p.has_segments = 0;
+    return ffi::Error::Success();
+  }
+  const int64_t rows_q = int64_t{p.batch} * p.seqlen_q;
+  const int64_t rows_k = int64_t{p.batch} * p.seqlen_k;
+  if (auto e = ExpectElements("q_segment_ids", seg.q_ids, ffi::DataType::S32, rows_q); e.failure()) return e;
+  if (auto e = ExpectElements("kv_segment_ids", seg.kv_ids, ffi::DataType::S32, rows_k); e.failure()) return e;
+  if (auto e = ExpectElements("kv_bounds", seg.kv_bounds, ffi::DataType::S32, 2 * rows_q); e.failure()) return e;
+  if (auto e = ExpectElements("q_bounds", seg.q_bounds, ffi::DataType::S32, 2 * rows_k); e.failure()) return e;
+  p.has_segments = 1;
+  args->q_segment_ids = static_cast<const int32_t*>(seg.q_ids.untyped_data());
+  args->kv_segment_ids = static_cast<const int32_t*>(seg.kv_ids.untyped_data());
+  args->kv_bounds = static_cast<const int32_t*>(seg.kv_bounds.untyped_data());
+  args->q_bounds = static_cast<const int32_t*>(seg.q_bounds.untyped_data());
+  return ffi::Error::Success();
+}
+
 // Decodes the forward call. `launch(const JfFwdArgs&) -> ffi::Error`.
 template <typename Launch>
 ffi::Error AttentionForward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::AnyBuffer q_lens,
-                            ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> o,
+                            ffi::AnyBuffer kv_lens, const SegmentBuffers& segments,
+                            ffi::Result<ffi::AnyBuffer> o,
                             ffi::Result<ffi::AnyBuffer> lse, float scale,
                             int32_t diag_offset, int32_t window_left,
                             int32_t window_right) {
@@ -175,6 +209,7 @@ ffi::Error AttentionForward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k,
       e.failure())
     return e;
   if (auto e = CheckStats("lse", *lse, p); e.failure()) return e;
+  if (auto e = ReadSegments(segments, &args); e.failure()) return e;
   args.q = q.untyped_data();
   args.k = k.untyped_data();
   args.v = v.untyped_data();
@@ -191,6 +226,7 @@ ffi::Error AttentionBackward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k
                              ffi::AnyBuffer v, ffi::AnyBuffer dout,
                              ffi::AnyBuffer lse, ffi::AnyBuffer delta,
                              ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
+                             const SegmentBuffers& segments,
                              ffi::Result<ffi::AnyBuffer> dq_accum,
                              ffi::Result<ffi::AnyBuffer> dk,
                              ffi::Result<ffi::AnyBuffer> dv, float scale,
@@ -215,6 +251,7 @@ ffi::Error AttentionBackward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k
     return e;
   if (auto e = CheckLike("dv", *dv, type, p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v); e.failure())
     return e;
+  if (auto e = ReadSegments(segments, &args); e.failure()) return e;
   args.q = q.untyped_data();
   args.k = k.untyped_data();
   args.v = v.untyped_data();
@@ -237,6 +274,10 @@ auto BindForward(Binding binding) {
       .template Arg<ffi::AnyBuffer>()            // v
       .template Arg<ffi::AnyBuffer>()            // q_lens
       .template Arg<ffi::AnyBuffer>()            // kv_lens
+      .template Arg<ffi::AnyBuffer>()            // q_segment_ids
+      .template Arg<ffi::AnyBuffer>()            // kv_segment_ids
+      .template Arg<ffi::AnyBuffer>()            // kv_bounds
+      .template Arg<ffi::AnyBuffer>()            // q_bounds
       .template Ret<ffi::AnyBuffer>()            // o
       .template Ret<ffi::AnyBuffer>()            // lse
       .template Attr<float>("scale")
@@ -255,6 +296,10 @@ auto BindBackward(Binding binding) {
       .template Arg<ffi::AnyBuffer>()            // delta
       .template Arg<ffi::AnyBuffer>()            // q_lens
       .template Arg<ffi::AnyBuffer>()            // kv_lens
+      .template Arg<ffi::AnyBuffer>()            // q_segment_ids
+      .template Arg<ffi::AnyBuffer>()            // kv_segment_ids
+      .template Arg<ffi::AnyBuffer>()            // kv_bounds
+      .template Arg<ffi::AnyBuffer>()            // q_bounds
       .template Ret<ffi::AnyBuffer>()            // dq_accum
       .template Ret<ffi::AnyBuffer>()            // dk
       .template Ret<ffi::AnyBuffer>()            // dv

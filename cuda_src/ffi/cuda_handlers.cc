@@ -12,7 +12,7 @@ namespace {
 // able, else the sm80 family (which runs on every GPU from Ampere on).
 int LaunchForward(const JfFwdArgs& args, cudaStream_t stream, char* err, size_t n) {
 #ifdef JF_HAVE_FWD_SM90
-  if (jax_flash_fwd_sm90_can_implement(&args.problem)) {
+  if (!args.problem.has_segments && jax_flash_fwd_sm90_can_implement(&args.problem)) {
     return jax_flash_fwd_sm90(&args, stream, err, n);
   }
 #endif
@@ -21,7 +21,7 @@ int LaunchForward(const JfFwdArgs& args, cudaStream_t stream, char* err, size_t 
 
 int LaunchBackward(const JfBwdArgs& args, cudaStream_t stream, char* err, size_t n) {
 #ifdef JF_HAVE_BWD_SM90
-  if (jax_flash_bwd_sm90_can_implement(&args.problem)) {
+  if (!args.problem.has_segments && jax_flash_bwd_sm90_can_implement(&args.problem)) {
     return jax_flash_bwd_sm90(&args, stream, err, n);
   }
 #endif
@@ -29,39 +29,48 @@ int LaunchBackward(const JfBwdArgs& args, cudaStream_t stream, char* err, size_t
 }
 
 ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> o,
+                   ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::AnyBuffer q_ids,
+                  ffi::AnyBuffer kv_ids, ffi::AnyBuffer kv_bounds, ffi::AnyBuffer q_bounds,
+                  ffi::Result<ffi::AnyBuffer> o,
                    ffi::Result<ffi::AnyBuffer> lse, float scale, int32_t diag_offset,
                    int32_t window_left, int32_t window_right) {
   auto launch = [stream](const JfFwdArgs& args) {
     return CallKernel(
         [&](char* err, size_t n) { return LaunchForward(args, stream, err, n); });
   };
-  return AttentionForward(launch, q, k, v, q_lens, kv_lens, o, lse, scale, diag_offset,
+  return AttentionForward(launch, q, k, v, q_lens, kv_lens,
+                          SegmentBuffers{q_ids, kv_ids, kv_bounds, q_bounds}, o, lse, scale, diag_offset,
                           window_left, window_right);
 }
 
 ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer delta,
-                   ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
-                   ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> dk,
+                   ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::AnyBuffer q_ids,
+                  ffi::AnyBuffer kv_ids, ffi::AnyBuffer kv_bounds, ffi::AnyBuffer q_bounds,
+                  ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> dk,
                    ffi::Result<ffi::AnyBuffer> dv, float scale, int32_t diag_offset,
                    int32_t window_left, int32_t window_right) {
   auto launch = [stream](const JfBwdArgs& args) {
     return CallKernel(
         [&](char* err, size_t n) { return LaunchBackward(args, stream, err, n); });
   };
-  return AttentionBackward(launch, q, k, v, dout, lse, delta, q_lens, kv_lens, dq_accum, dk, dv,
+  return AttentionBackward(launch, q, k, v, dout, lse, delta, q_lens, kv_lens,
+                           SegmentBuffers{q_ids, kv_ids, kv_bounds, q_bounds}, dq_accum, dk, dv,
                            scale, diag_offset, window_left, window_right);
 }
 
 }  // namespace
 }  // namespace jax_flash
 
+// Command-buffer (CUDA graph) compatible: the handlers only enqueue kernels
+// and memsets on XLA's stream; tests/test_cuda_graphs.py proves capture works.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFlashFwdCuda, jax_flash::FwdCuda,
     jax_flash::BindForward(
-        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFlashBwdCuda, jax_flash::BwdCuda,
     jax_flash::BindBackward(
-        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});

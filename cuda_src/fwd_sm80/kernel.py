@@ -10,10 +10,15 @@ and tiles that the mask excludes entirely are never touched.
 Mask (kernel_api.h): row i sees column j iff i < q_len, j < kv_len,
 j >= i + diag_offset - window_left (window_left >= 0) and
 j <= i + diag_offset + window_right (window_right >= 0).
+
+The packed-document variant (has_segments) also requires equal segment ids.
+It narrows each query tile's KV range to the union of its rows' kv_bounds and
+compares ids on every visited tile, since the bounds only say where visible
+keys can be, not that every key inside them is visible.
 """
 
 import math
-from typing import Type
+from typing import Optional, Type
 
 import cuda.bindings.driver as cuda
 
@@ -24,6 +29,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 COPY_BITS = 128  # one cp.async / one vector store moves 16 bytes per thread
+INT32_MAX = 2**31 - 1
 # (tile_m, tile_n, warps) per head dim. All warps split the query rows, so a
 # warp owns tile_m / warps rows of S and O.
 #  64: S is small next to the memory traffic, so a wide 128x128 tile halves
@@ -49,7 +55,7 @@ TILE_CONFIG = {
 class FlashFwdSm80:
     """Forward attention for one dtype and head dim (head_dim_v == head_dim)."""
 
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int):
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, has_segments: bool = False):
         if not self.can_implement(dtype, head_dim):
             raise ValueError(
                 f"FlashFwdSm80: unsupported dtype={dtype} head_dim={head_dim}; "
@@ -57,6 +63,7 @@ class FlashFwdSm80:
             )
         self.dtype = dtype
         self.head_dim = head_dim
+        self.has_segments = has_segments
         self.tile_m, self.tile_n, self.num_warps = TILE_CONFIG[head_dim]
         self.num_threads = self.num_warps * 32
         # Shared-memory rows are split in 64-element (128 B) chunks where the
@@ -92,7 +99,12 @@ class FlashFwdSm80:
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
         stream: cuda.CUstream,
+        mQSeg: Optional[cute.Tensor] = None,  # [B, T] int32, segment variant only
+        mKVSeg: Optional[cute.Tensor] = None,  # [B, S] int32
+        mKVBounds: Optional[cute.Tensor] = None,  # [B, T, 2] int32
     ):
+        if cutlass.const_expr(self.has_segments != (mQSeg is not None)):
+            raise TypeError("segment tensors must be given exactly for the has_segments variant")
         sQ_layout = self._smem_layout(self.tile_m)
         sKV_layout = self._smem_layout(self.tile_n)
 
@@ -107,6 +119,8 @@ class FlashFwdSm80:
             sV: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024
             ]
+            # Per-warp partial (min first, max last) of the rows' kv_bounds.
+            sSegRange: cute.struct.MemRange[cutlass.Int32, 2 * self.num_warps]
 
         elems_per_copy = COPY_BITS // self.dtype.width
         threads_per_row = self.smem_k_block // elems_per_copy
@@ -153,6 +167,9 @@ class FlashFwdSm80:
             diag_offset,
             window_left,
             window_right,
+            mQSeg,
+            mKVSeg,
+            mKVBounds,
             sQ_layout,
             sKV_layout,
             gmem_tiled_copy_load,
@@ -175,6 +192,9 @@ class FlashFwdSm80:
         diag_offset: cutlass.Int32,
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
+        mQSeg: Optional[cute.Tensor],
+        mKVSeg: Optional[cute.Tensor],
+        mKVBounds: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
         gmem_tiled_copy_load: cute.TiledCopy,
@@ -206,6 +226,14 @@ class FlashFwdSm80:
         col_end = kv_len
         if window_right >= 0:
             col_end = cutlass.min(last_row + diag_offset + window_right + 1, kv_len)
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        if cutlass.const_expr(self.has_segments):
+            seg_begin, seg_end = self._kv_bounds_union(
+                mKVBounds, storage.sSegRange.get_tensor(cute.make_layout(2 * self.num_warps)),
+                batch, m_start, last_row, tidx,
+            )
+            col_begin = cutlass.max(col_begin, seg_begin)
+            col_end = cutlass.min(col_end, seg_end)
         n_block_min = col_begin // tile_n
         n_block_max = cute.ceil_div(cutlass.max(col_end, 0), tile_n)
         num_n_blocks = cutlass.Int32(0)
@@ -229,7 +257,6 @@ class FlashFwdSm80:
         gK = cute.local_tile(mK[batch, None, head_kv, None], (tile_n, head_dim), (None, 0))
         gV = cute.local_tile(mV[batch, None, head_kv, None], (tile_n, head_dim), (None, 0))
 
-        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
         sK = storage.sK.get_tensor(sKV_layout)
         sV = storage.sV.get_tensor(sKV_layout)
@@ -286,6 +313,12 @@ class FlashFwdSm80:
         row_sum = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         row_max.fill(-cutlass.Float32.inf)
         row_sum.fill(0.0)
+        num_cols = cute.size(tScS, mode=[1])
+        row_seg = cute.make_rmem_tensor(num_rows, cutlass.Int32)
+        col_seg = cute.make_rmem_tensor(num_cols, cutlass.Int32)
+        if cutlass.const_expr(self.has_segments):
+            for r in cutlass.range_constexpr(num_rows):
+                row_seg[r] = mQSeg[batch, cutlass.min(m_start + tScS[r, 0][0], seqlen_q - 1)]
 
         # ---- prologue: Q and the first K tile -----------------------------
         if num_n_blocks > 0:
@@ -311,13 +344,24 @@ class FlashFwdSm80:
                 thr_mma.partition_shape_C((tile_m, tile_n)), cutlass.Float32
             )
             acc_S.fill(0.0)
+            if cutlass.const_expr(self.has_segments):
+                # Issued before the MMAs so their latency hides behind them;
+                # columns past seqlen_k read a clamped id and are masked anyway.
+                for c in cutlass.range_constexpr(num_cols):
+                    col = cutlass.min(n_block * tile_n + tScS[0, c][1], seqlen_k - 1)
+                    col_seg[c] = mKVSeg[batch, col]
             self._gemm_smem(
                 tiled_mma, acc_S, tSrQ, tSrK,
                 smem_tiled_copy_Q, tSsQ, tSrQ_view,
                 smem_tiled_copy_K, tSsK, tSrK_view,
             )
             acc_S_mn = self._mn_view(acc_S)
-            if n_block < full_lo or n_block >= full_hi:
+            if cutlass.const_expr(self.has_segments):
+                self._apply_mask(
+                    acc_S_mn, tScS, m_start, n_block * tile_n, kv_len,
+                    diag_offset, window_left, window_right, row_seg, col_seg,
+                )
+            elif n_block < full_lo or n_block >= full_hi:
                 self._apply_mask(
                     acc_S_mn, tScS, m_start, n_block * tile_n, kv_len,
                     diag_offset, window_left, window_right,
@@ -425,9 +469,37 @@ class FlashFwdSm80:
             cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
 
     @cute.jit
+    def _kv_bounds_union(self, mKVBounds, sSegRange, batch, m_start, last_row, tidx):
+        """[min first, max last) of kv_bounds over rows [m_start, last_row];
+        rows with empty bounds see no key and add nothing. Every thread gets
+        the result (tile_m <= num_threads, so one row per thread suffices)."""
+        first = cutlass.Int32(INT32_MAX)
+        last = cutlass.Int32(0)
+        row = m_start + tidx
+        if tidx < self.tile_m and row <= last_row:
+            b0 = mKVBounds[batch, row, 0]
+            b1 = mKVBounds[batch, row, 1]
+            if b1 > b0:
+                first = b0
+                last = b1
+        for i in cutlass.range_constexpr(5):
+            offset = 16 >> i
+            first = cutlass.min(first, cute.arch.shuffle_sync_bfly(first, offset=offset))
+            last = cutlass.max(last, cute.arch.shuffle_sync_bfly(last, offset=offset))
+        warp_idx = tidx // 32
+        if tidx % 32 == 0:
+            sSegRange[2 * warp_idx] = first
+            sSegRange[2 * warp_idx + 1] = last
+        cute.arch.barrier()
+        for w in cutlass.range_constexpr(self.num_warps):
+            first = cutlass.min(first, sSegRange[2 * w])
+            last = cutlass.max(last, sSegRange[2 * w + 1])
+        return first, last
+
+    @cute.jit
     def _apply_mask(
         self, acc_S_mn, tScS, m_start, n_start, kv_len,
-        diag_offset, window_left, window_right,
+        diag_offset, window_left, window_right, row_seg=None, col_seg=None,
     ):
         """Set S to -inf where row i may not see column j (kernel_api.h)."""
         for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
@@ -440,7 +512,10 @@ class FlashFwdSm80:
                 col_hi = cutlass.min(row + diag_offset + window_right + 1, kv_len)
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                 col = n_start + tScS[0, c][1]
-                if col < col_lo or col >= col_hi:
+                if cutlass.const_expr(row_seg is not None):
+                    if col < col_lo or col >= col_hi or row_seg[r] != col_seg[c]:
+                        acc_S_mn[r, c] = -cutlass.Float32.inf
+                elif col < col_lo or col >= col_hi:
                     acc_S_mn[r, c] = -cutlass.Float32.inf
 
     @cute.jit

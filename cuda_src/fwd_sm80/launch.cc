@@ -3,7 +3,8 @@
 //
 // Build (verified on the CPU machine with nvcc 13.0; both arches are always
 // linked into the same library, and every exported symbol carries its own
-// arch/dtype/head-dim prefix, so the 20 objects never collide):
+// family/arch/dtype/head-dim prefix, so the 40 objects never collide; the
+// jf_fwdseg_* half is the packed-document variant, run when has_segments):
 //
 //   python cuda_src/fwd_sm80/export.py --arch sm_80  --out BUILD/fwd_sm_80
 //   python cuda_src/fwd_sm80/export.py --arch sm_90a --out BUILD/fwd_sm_90a
@@ -109,7 +110,9 @@ bool Misaligned(const void* p) {
 // Expands to one function per exported variant that fills the tensor
 // descriptors (only dynamic modes: shapes [B, T|S, N], strides [B, T|S] for
 // the 4-D operands, shapes [B, N, T] / strides [B, N] for lse) and launches.
-#define JF_DEFINE_VARIANT(arch_tag, dtype_enum, hd, prefix)                        \
+// SEG_ARGS is empty for the plain variants; the segment variants append the
+// descriptors that JF_SEG_TENSORS declares.
+#define JF_DEFINE_LAUNCH(prefix, SEG_TENSORS, SEG_ARGS)                            \
   LoadedModule<prefix##_Kernel_Module_t> g_##prefix;                              \
   int Launch_##prefix(const JfFwdArgs& a, cudaStream_t stream, char* err,         \
                       size_t err_len) {                                           \
@@ -119,6 +122,7 @@ bool Misaligned(const void* p) {
                   cudaGetErrorString(load));                                      \
     }                                                                             \
     const JfProblem& p = a.problem;                                               \
+    SEG_TENSORS(prefix)                                                           \
     const int64_t h = p.head_dim;                                                 \
     prefix##_Tensor_mQ_t q = {const_cast<void*>(a.q),                             \
                               {p.batch, p.seqlen_q, p.heads_q},                   \
@@ -139,26 +143,52 @@ bool Misaligned(const void* p) {
     prefix##_Tensor_mKVLens_t kv_lens = {const_cast<int32_t*>(a.kv_lens), {p.batch}}; \
     int32_t rc = cute_dsl_##prefix##_wrapper(                                     \
         &g_##prefix.module, &q, &k, &v, &o, &lse, &q_lens, &kv_lens, p.scale,     \
-        p.diag_offset, p.window_left, p.window_right, stream);                    \
+        p.diag_offset, p.window_left, p.window_right, stream SEG_ARGS);           \
     if (rc != 0) {                                                                \
       return Fail(err, err_len, "jax_flash_fwd_sm80: " #prefix " returned %d", rc); \
     }                                                                             \
     return 0;                                                                     \
   }
 
+#define JF_NO_SEG_TENSORS(prefix)
+#define JF_SEG_TENSORS(prefix)                                                     \
+  prefix##_Tensor_mQSeg_t q_seg = {const_cast<int32_t*>(a.q_segment_ids),         \
+                                   {p.batch, p.seqlen_q}, {p.seqlen_q}};          \
+  prefix##_Tensor_mKVSeg_t kv_seg = {const_cast<int32_t*>(a.kv_segment_ids),      \
+                                     {p.batch, p.seqlen_k}, {p.seqlen_k}};        \
+  prefix##_Tensor_mKVBounds_t kv_bounds = {const_cast<int32_t*>(a.kv_bounds),     \
+                                           {p.batch, p.seqlen_q},                 \
+                                           {Prod(p.seqlen_q, 2)}};
+#define JF_SEG_ARGS , &q_seg, &kv_seg, &kv_bounds
+#define JF_DEFINE_VARIANT(arch_tag, dtype_enum, hd, prefix) \
+  JF_DEFINE_LAUNCH(prefix, JF_NO_SEG_TENSORS, )
+#define JF_DEFINE_SEG_VARIANT(arch_tag, dtype_enum, hd, prefix) \
+  JF_DEFINE_LAUNCH(prefix, JF_SEG_TENSORS, JF_SEG_ARGS)
+
 JF_FWD_SM80_VARIANTS_SM_80(JF_DEFINE_VARIANT)
 JF_FWD_SM80_VARIANTS_SM_90A(JF_DEFINE_VARIANT)
+JF_FWD_SM80_SEG_VARIANTS_SM_80(JF_DEFINE_SEG_VARIANT)
+JF_FWD_SM80_SEG_VARIANTS_SM_90A(JF_DEFINE_SEG_VARIANT)
+#undef JF_DEFINE_SEG_VARIANT
 #undef JF_DEFINE_VARIANT
+#undef JF_SEG_ARGS
+#undef JF_SEG_TENSORS
+#undef JF_NO_SEG_TENSORS
+#undef JF_DEFINE_LAUNCH
 
 using LaunchFn = int (*)(const JfFwdArgs&, cudaStream_t, char*, size_t);
 
-LaunchFn FindVariant(Arch arch, JfDtype dtype, int head_dim) {
+LaunchFn FindVariant(Arch arch, JfDtype dtype, int head_dim, bool has_segments) {
 #define JF_MATCH_VARIANT(arch_tag, dtype_enum, hd, prefix) \
   if (dtype == dtype_enum && head_dim == hd) return Launch_##prefix;
-  if (arch == Arch::kSm80) {
+  if (arch == Arch::kSm80 && !has_segments) {
     JF_FWD_SM80_VARIANTS_SM_80(JF_MATCH_VARIANT)
-  } else if (arch == Arch::kSm90a) {
+  } else if (arch == Arch::kSm90a && !has_segments) {
     JF_FWD_SM80_VARIANTS_SM_90A(JF_MATCH_VARIANT)
+  } else if (arch == Arch::kSm80) {
+    JF_FWD_SM80_SEG_VARIANTS_SM_80(JF_MATCH_VARIANT)
+  } else if (arch == Arch::kSm90a) {
+    JF_FWD_SM80_SEG_VARIANTS_SM_90A(JF_MATCH_VARIANT)
   }
 #undef JF_MATCH_VARIANT
   return nullptr;
@@ -193,8 +223,13 @@ int Validate(const JfFwdArgs* args, char* err, size_t err_len) {
                 "jax_flash_fwd_sm80: heads_q and batch must be <= %d, got %d and %d",
                 kMaxGridYZ, p.heads_q, p.batch);
   }
+  if (p.has_segments != 0 && p.has_segments != 1) {
+    return Fail(err, err_len, "jax_flash_fwd_sm80: has_segments must be 0 or 1, got %d",
+                p.has_segments);
+  }
   const bool has_q = p.batch > 0 && p.seqlen_q > 0;
   const bool has_kv = p.batch > 0 && p.seqlen_k > 0;
+  const bool seg = p.has_segments == 1;
   struct Operand {
     const char* name;
     const void* ptr;
@@ -205,6 +240,9 @@ int Validate(const JfFwdArgs* args, char* err, size_t err_len) {
       {"v", args->v, has_q && has_kv, true}, {"o", args->o, has_q, true},
       {"lse", args->lse, has_q, false},     {"q_lens", args->q_lens, has_q, false},
       {"kv_lens", args->kv_lens, has_q, false},
+      {"q_segment_ids", args->q_segment_ids, seg && has_q, false},
+      {"kv_segment_ids", args->kv_segment_ids, seg && has_q && has_kv, false},
+      {"kv_bounds", args->kv_bounds, seg && has_q, false},
   };
   for (const Operand& op : operands) {
     if (!op.needed) continue;
@@ -240,7 +278,7 @@ extern "C" int jax_flash_fwd_sm80(const JfFwdArgs* args, void* stream, char* err
                 "jax_flash_fwd_sm80: device %d is not compute capability 8.x or 9.x",
                 device);
   }
-  LaunchFn launch = FindVariant(arch, p.dtype, p.head_dim);
+  LaunchFn launch = FindVariant(arch, p.dtype, p.head_dim, p.has_segments == 1);
   if (launch == nullptr) {
     return Fail(err, err_len,
                 "jax_flash_fwd_sm80: no kernel for head_dim %d (supported: 64, 96, 128, "

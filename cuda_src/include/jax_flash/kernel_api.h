@@ -24,6 +24,16 @@
 //   (window_right < 0 or j <= i + diag_offset + window_right).
 // Causal is window_right = 0; FlashAttention's bottom-right alignment is
 // diag_offset = seqlen_k - seqlen_q, jax.nn's top-left alignment is 0.
+//
+// Packed documents (problem.has_segments = 1; the four pointers below are set,
+// else all NULL): additionally q_segment_ids[b, i] == kv_segment_ids[b, j].
+//   q_segment_ids  [batch, seqlen_q] int32, kv_segment_ids [batch, seqlen_k]
+//   kv_bounds [batch, seqlen_q, 2] int32: for query i, [first, last + 1) of
+//             the keys that carry its id ([0, 0) when none do)
+//   q_bounds  [batch, seqlen_k, 2] int32: for key j, the same over queries
+// Every visible pair lies inside both bounds, so a kernel may skip any tile
+// outside them; for documents packed back to back the bounds are exact and
+// a packed row costs the sum of its documents' work.
 // A query row that sees no key writes zeros to o and -inf to lse; its
 // gradients are zero.
 #ifndef JAX_FLASH_KERNEL_API_H_
@@ -55,6 +65,7 @@ typedef struct JfProblem {
   int32_t diag_offset;
   int32_t window_left;   // < 0: unbounded
   int32_t window_right;  // < 0: unbounded
+  int32_t has_segments;  // 1: the segment pointers of the args are set
 } JfProblem;
 
 typedef struct JfFwdArgs {
@@ -66,6 +77,10 @@ typedef struct JfFwdArgs {
   const int32_t* kv_lens;
   void* o;
   float* lse;
+  const int32_t* q_segment_ids;
+  const int32_t* kv_segment_ids;
+  const int32_t* kv_bounds;
+  const int32_t* q_bounds;
 } JfFwdArgs;
 
 typedef struct JfBwdArgs {
@@ -81,6 +96,10 @@ typedef struct JfBwdArgs {
   float* dq_accum;
   void* dk;
   void* dv;
+  const int32_t* q_segment_ids;
+  const int32_t* kv_segment_ids;
+  const int32_t* kv_bounds;
+  const int32_t* q_bounds;
 } JfBwdArgs;
 
 // Return 0 on success. On failure return non-zero and write a NUL-terminated
@@ -95,7 +114,8 @@ int jax_flash_bwd_sm80(const JfBwdArgs* args, void* stream, char* err,
                        size_t err_len);
 
 // Hopper (sm_90a) kernels. can_implement returns 1 when they serve the
-// problem on the current device; otherwise the sm80 kernels run.
+// problem on the current device; otherwise the sm80 kernels run (as they do
+// for every problem with segments until the sm90 kernels support them).
 int jax_flash_fwd_sm90_can_implement(const JfProblem* problem);
 int jax_flash_fwd_sm90(const JfFwdArgs* args, void* stream, char* err,
                        size_t err_len);

@@ -1,0 +1,540 @@
+"""FlashAttention backward pass for Hopper (sm_90a) in the CuTe Python DSL.
+
+One CTA owns one KV tile (n_block rows) of one (batch, kv head) and keeps that
+tile's dK and dV accumulators in registers while it walks every query head of
+its GQA group and every query tile that the mask lets see the KV tile.
+
+Warp specialisation: warpgroup 0 is the producer (one warp issues TMA loads of
+K and V once, then of Q and dO into a 2-stage mbarrier pipeline) and gives its
+registers away; warpgroups 1 and 2 compute with WGMMA:
+
+    S  = Q K^T      (each WG: all m_block rows, half of the keys)
+    dP = dO V^T     (same split)
+    P  = exp2(S * scale * log2e - lse * log2e),   dS = P * (dP - delta)
+    dQ = dS K       (each WG: half of the head dim) -> fp32 red.global.add
+    dV += P^T dO    (each WG: half of the keys, all of the head dim)
+    dK += dS^T Q    (same split; times scale at the end)
+
+P and dS go through shared memory (double buffered, so one named barrier per
+query tile is enough). lse and delta are read from global memory by the
+threads that own the rows; their latency hides behind the first two GEMMs.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Type
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.utils import LayoutEnum
+
+LOG2E = math.log2(math.e)
+WG_THREADS = 128
+NUM_MMA_WG = 2
+NUM_MMA_THREADS = NUM_MMA_WG * WG_THREADS
+NUM_THREADS = WG_THREADS + NUM_MMA_THREADS  # producer WG + 2 consumer WGs
+# setmaxnreg budgets: 24 + 2 * 240 <= 504 (64K registers / 128 threads of
+# each WG, rounded to the granularity of 8). The consumers hold dK and dV
+# (2 * n_block * head_dim / 256 floats) plus S, dP and dQ fragments.
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
+SMEM_CAPACITY_SM90 = 227 * 1024
+WGMMA_M = 64
+# Named barriers (0 is __syncthreads).
+BAR_PDS = 1  # P and dS of a query tile are in shared memory
+BAR_EPI = 2  # epilogue staging through sK / sV
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    m_block: int  # query rows per iteration (one WGMMA M)
+    n_block: int  # keys per CTA (two WGMMA M, one per consumer WG)
+    stages: int  # Q/dO pipeline depth, also P/dS buffers
+
+
+# Frozen per head dim. n_block = 128 puts one 64-row WGMMA per consumer WG in
+# the dK/dV GEMMs; m_block = 64 is the smallest query tile WGMMA allows and
+# keeps the S/dP/dQ fragments at 32 floats per thread for hd128. Shared
+# memory (2 stages): hd128 192 KiB, hd64 128 KiB.
+# Measured on H100 (bf16, batch 2, 16 heads, seq 8192, backward TFLOPS,
+# non-causal / causal; the sm80 kernel and cuDNN in the same process):
+# hd128 371 / 358 (291 / 277, cuDNN 545 / 507), hd64 264 / 237
+# (233 / 220, cuDNN 459 / 389). hd96 with this layout (48-wide dQ slices,
+# 64- and 32-byte swizzles) was correct but ran 198 / 185 against the sm80
+# kernel's 254 / 238, so it is not built.
+TILE_CONFIGS = {
+    64: TileConfig(m_block=64, n_block=128, stages=2),
+    128: TileConfig(m_block=64, n_block=128, stages=2),
+}
+
+
+class FlashBwdSm90:
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int):
+        if not self.can_implement(dtype, head_dim):
+            raise NotImplementedError(f"no sm90 backward for dtype={dtype}, head_dim={head_dim}")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        cfg = TILE_CONFIGS[head_dim]
+        self.m_block = cfg.m_block
+        self.n_block = cfg.n_block
+        self.stages = cfg.stages
+
+    @staticmethod
+    def can_implement(dtype, head_dim) -> bool:
+        if dtype not in (cutlass.Float16, cutlass.BFloat16) or head_dim not in TILE_CONFIGS:
+            return False
+        return FlashBwdSm90.smem_bytes(head_dim) <= SMEM_CAPACITY_SM90
+
+    @staticmethod
+    def smem_bytes(head_dim: int) -> int:
+        cfg = TILE_CONFIGS[head_dim]
+        q_do = 2 * cfg.stages * cfg.m_block * head_dim * 2
+        k_v = 2 * cfg.n_block * head_dim * 2
+        p_ds = 2 * cfg.stages * cfg.m_block * cfg.n_block * 2
+        return q_do + k_v + p_ds + 1024
+
+    # ------------------------------------------------------------------ host
+    def _smem_layout(self, rows: int, cols: int, stages: int, major_size: int):
+        """Row-major (rows, cols, stages) tile of WGMMA swizzle atoms.
+
+        The same bytes serve K-major reads (cols is the reduction dim) and
+        MN-major reads of the transposed view, so the atom width must divide
+        the widest per-WG slice of `cols` any GEMM reads: `major_size`.
+        """
+        kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, major_size)
+        atom = warpgroup.make_smem_layout_atom(kind, self.dtype)
+        return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+    def _tiled_mma(self, a_major, b_major, atoms, tile_n):
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, a_major, b_major, Float32, atoms, (WGMMA_M, tile_n)
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [B, T, Hq, D]
+        mK: cute.Tensor,  # [B, S, Hkv, D]
+        mV: cute.Tensor,  # [B, S, Hkv, D]
+        mdO: cute.Tensor,  # [B, T, Hq, D]
+        mLSE: cute.Tensor,  # [B, Hq, T] f32
+        mDelta: cute.Tensor,  # [B, Hq, T] f32
+        mQLens: cute.Tensor,  # [B] i32
+        mKVLens: cute.Tensor,  # [B] i32
+        mdQ: cute.Tensor,  # [B, T, Hq, D] f32, zeroed by the caller
+        mdK: cute.Tensor,  # [B, S, Hkv, D]
+        mdV: cute.Tensor,  # [B, S, Hkv, D]
+        scale: Float32,
+        key_lo: Int32,
+        key_hi: Int32,
+        stream: cuda.CUstream,
+    ):
+        """key_lo <= j - i <= key_hi for a visible (query i, key j) pair; the
+        launcher clamps both to +-(seqlen_q + seqlen_k + 1)."""
+        if cutlass.const_expr(mQ.element_type != self.dtype):
+            raise TypeError("q dtype does not match the compiled variant")
+        D, M, N, st = self.head_dim, self.m_block, self.n_block, self.stages
+        K_MAJOR, MN_MAJOR = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        # dQ splits the head dim over the two WGs, dK/dV split the keys and
+        # S/dP split the keys: these are the per-WG extents each buffer is read with.
+        sQ_layout = self._smem_layout(M, D, st, D)
+        sK_layout = self._smem_layout(N, D, 1, D // NUM_MMA_WG)
+        sV_layout = self._smem_layout(N, D, 1, D)
+        sPdS_layout = self._smem_layout(M, N, st, N // NUM_MMA_WG)
+
+        mma_sdp = self._tiled_mma(K_MAJOR, K_MAJOR, (1, NUM_MMA_WG, 1), N // NUM_MMA_WG)
+        mma_dkv = self._tiled_mma(MN_MAJOR, MN_MAJOR, (NUM_MMA_WG, 1, 1), D)
+        mma_dq = self._tiled_mma(K_MAJOR, MN_MAJOR, (1, NUM_MMA_WG, 1), D // NUM_MMA_WG)
+
+        # TMA views are (seqlen, head_dim, heads, batch) so a (rows, D) box
+        # tiles the first two modes; rows past seqlen read as zeros.
+        def seq_major(t):
+            return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, seq_major(mQ), cute.slice_(sQ_layout, (None, None, 0)), (M, D))
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(g2s, seq_major(mdO), cute.slice_(sQ_layout, (None, None, 0)), (M, D))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, seq_major(mK), cute.slice_(sK_layout, (None, None, 0)), (N, D))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, seq_major(mV), cute.slice_(sV_layout, (None, None, 0)), (N, D))
+
+        @cute.struct
+        class SharedStorage:
+            pipe_bar: cute.struct.MemRange[cutlass.Int64, 2 * st]
+            kv_bar: cute.struct.MemRange[cutlass.Int64, 1]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+
+        # 16-byte row stores of dK/dV from the staged shared tile.
+        vec = 128 // self.dtype.width
+        thr_cols = (64 if D % 64 == 0 else 32) // vec
+        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        gmem_store_tile = cute.make_tiled_copy_tv(
+            store_atom,
+            cute.make_ordered_layout((NUM_MMA_THREADS // thr_cols, thr_cols), order=(1, 0)),
+            cute.make_layout((1, vec)),
+        )
+
+        grid = (cute.ceil_div(mK.shape[1], N), mK.shape[2], mK.shape[0])
+        self.kernel(
+            tma_Q, tma_K, tma_V, tma_dO, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
+            mLSE, mDelta, mQLens, mKVLens, mdQ, mdK, mdV,
+            scale, scale * LOG2E, key_lo, key_hi,
+            sQ_layout, sK_layout, sV_layout, sPdS_layout,
+            mma_sdp, mma_dkv, mma_dq, gmem_store_tile, SharedStorage,
+        ).launch(grid=grid, block=[NUM_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(
+        self,
+        tma_Q: cute.Tensor, tma_K: cute.Tensor, tma_V: cute.Tensor, tma_dO: cute.Tensor,
+        tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, tma_atom_dO: cute.CopyAtom,
+        mLSE: cute.Tensor, mDelta: cute.Tensor, mQLens: cute.Tensor, mKVLens: cute.Tensor,
+        mdQ: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+        scale: Float32, scale_log2: Float32, lo: Int32, hi: Int32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout, sPdS_layout: cute.ComposedLayout,
+        mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
+        gmem_store_tile: cute.TiledCopy,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        D, M, N, st = self.head_dim, self.m_block, self.n_block, self.stages
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        n_block, kv_head, batch = cute.arch.block_idx()
+        seqlen_q = mdQ.shape[1]
+        seqlen_k = mdK.shape[1]
+        group = mdQ.shape[2] // mdK.shape[2]
+
+        # ---- which query tiles see this KV tile: key j is visible from
+        # query i iff i < q_len, j < kv_len and lo <= j - i <= hi.
+        q_len = cutlass.min(mQLens[batch], seqlen_q)
+        kv_len = cutlass.min(mKVLens[batch], seqlen_k)
+        n0 = n_block * N
+        n_last = cutlass.min(n0 + N, kv_len) - 1
+        row_begin = cutlass.max(n0 - hi, 0)
+        row_end = cutlass.min(q_len, n_last - lo + 1)
+        m_block_min = row_begin // M
+        m_blocks = Int32(0)
+        if n_last >= n0 and row_end > row_begin:
+            m_blocks = (row_end + M - 1) // M - m_block_min
+        n_iters = m_blocks * group
+
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        kv_bar = storage.kv_bar.data_ptr()
+        if tidx == 0:
+            cute.arch.mbarrier_init(kv_bar, 1)
+        bytes_QdO = 2 * cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, (None, None, 0)))
+        bytes_KV = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0))) + cute.size_in_bytes(
+            self.dtype, cute.slice_(sV_layout, (None, None, 0))
+        )
+        # Full barrier: the producer's expect-tx arrive plus the TMA bytes;
+        # empty barrier: one arrive per consumer warp. Creation fences the
+        # mbarrier inits (kv_bar included) and syncs the CTA.
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.pipe_bar.data_ptr(),
+            num_stages=st,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_MMA_THREADS // 32),
+            tx_count=bytes_QdO,
+        )
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sP = storage.sP.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
+        sdS = storage.sdS.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp_idx == 0:
+                self._produce(
+                    tma_Q, tma_K, tma_V, tma_dO, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
+                    sQ, sK, sV, sdO, pipe, kv_bar, bytes_KV,
+                    n_block, kv_head, batch, group, m_block_min, m_blocks, n_iters,
+                )
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self._consume(
+                mLSE, mDelta, mdQ, mdK, mdV, sQ, sK, sV, sdO, sP, sdS, pipe, kv_bar,
+                mma_sdp, mma_dkv, mma_dq, gmem_store_tile,
+                scale, scale_log2, lo, hi, n_block, kv_head, batch, group,
+                m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k,
+            )
+
+    @cute.jit
+    def _produce(
+        self, tma_Q, tma_K, tma_V, tma_dO, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
+        sQ, sK, sV, sdO, pipe, kv_bar, bytes_KV,
+        n_block, kv_head, batch, group, m_block_min, m_blocks, n_iters,
+    ):
+        D, M, N = self.head_dim, self.m_block, self.n_block
+        if n_iters > 0:
+            gK = cute.local_tile(tma_K[None, None, kv_head, batch], (N, D), (None, 0))
+            gV = cute.local_tile(tma_V[None, None, kv_head, batch], (N, D), (None, 0))
+            tKsK, tKgK = cpasync.tma_partition(
+                tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+            )
+            tVsV, tVgV = cpasync.tma_partition(
+                tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+            )
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(kv_bar, bytes_KV)
+            cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=kv_bar)
+            cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=kv_bar)
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for it in cutlass.range(n_iters, unroll=1):
+            head = kv_head * group + it // m_blocks
+            m_block = m_block_min + it % m_blocks
+            gQ = cute.local_tile(tma_Q[None, None, head, batch], (M, D), (None, 0))
+            gdO = cute.local_tile(tma_dO[None, None, head, batch], (M, D), (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            )
+            tdOsdO, tdOgdO = cpasync.tma_partition(
+                tma_atom_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2)
+            )
+            pipe.producer_acquire(state)
+            bar = pipe.producer_get_barrier(state)
+            cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
+            cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
+            state.advance()
+
+    @cute.jit
+    def _consume(
+        self, mLSE, mDelta, mdQ, mdK, mdV, sQ, sK, sV, sdO, sP, sdS, pipe, kv_bar,
+        mma_sdp, mma_dkv, mma_dq, gmem_store_tile,
+        scale, scale_log2, lo, hi, n_block, kv_head, batch, group,
+        m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k,
+    ):
+        D, M, N = self.head_dim, self.m_block, self.n_block
+        tidx, _, _ = cute.arch.thread_idx()
+        tidx = tidx - WG_THREADS
+        wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+
+        # Transposed views (same bytes) for the MN-major operands.
+        sQt = _transpose(sQ)
+        sdOt = _transpose(sdO)
+        sKt = _transpose(sK)
+        sPt = _transpose(sP)
+        sdSt = _transpose(sdS)
+
+        # Shared-memory operands are partitioned per warpgroup (descriptors),
+        # accumulators per thread.
+        wg_sdp = mma_sdp.get_slice(wg * WG_THREADS)
+        wg_dkv = mma_dkv.get_slice(wg * WG_THREADS)
+        wg_dq = mma_dq.get_slice(wg * WG_THREADS)
+        thr_sdp = mma_sdp.get_slice(tidx)
+        thr_dkv = mma_dkv.get_slice(tidx)
+        thr_dq = mma_dq.get_slice(tidx)
+        tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
+        tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))
+        tdPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
+        tdPrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(sV))
+        tdVrPt = wg_dkv.make_fragment_A(wg_dkv.partition_A(sPt))
+        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt))
+        tdKrdSt = wg_dkv.make_fragment_A(wg_dkv.partition_A(sdSt))
+        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt))
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
+
+        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((N, D)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((N, D)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+
+        # P and dS: registers -> shared, two elements per store.
+        r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=2 * self.dtype.width)
+        r2s_sdp = cute.make_tiled_copy_C(r2s_atom, mma_sdp)
+        thr_r2s = r2s_sdp.get_slice(tidx)
+        tPsP = thr_r2s.partition_D(sP)
+        tdSsdS = thr_r2s.partition_D(sdS)
+
+        tScS = _acc_mn(thr_sdp.partition_C(cute.make_identity_tensor((M, N))))
+        tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((M, D)))
+        n_rows = cute.size(tScS, mode=[0])
+        n0 = n_block * N
+
+        if n_iters > 0:
+            cute.arch.mbarrier_wait(kv_bar, 0)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for it in cutlass.range(n_iters, unroll=1):
+            head = kv_head * group + it // m_blocks
+            m_block = m_block_min + it % m_blocks
+            m0 = m_block * M
+            s = state.index
+
+            # Row statistics of this thread's rows. Rows past seqlen_q and
+            # rows that see no key (lse = -inf) get lse = +inf, so P = 0.
+            lse_log2 = cute.make_rmem_tensor(n_rows, Float32)
+            delta = cute.make_rmem_tensor(n_rows, Float32)
+            for r in cutlass.range_constexpr(n_rows):
+                row = m0 + tScS[r, 0][0]
+                lse_log2[r] = Float32.inf
+                delta[r] = Float32(0.0)
+                if row < seqlen_q:
+                    lse = mLSE[batch, head, row]
+                    delta[r] = mDelta[batch, head, row]
+                    if lse != -Float32.inf:
+                        lse_log2[r] = lse * LOG2E
+
+            pipe.consumer_wait(state)
+            acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((M, N)), Float32)
+            acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((M, N)), Float32)
+            self._wgmma(mma_sdp, acc_S, tSrQ[None, None, None, s], tSrK[None, None, None, 0], True)
+            self._wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, s], tdPrV[None, None, None, 0], True)
+
+            warpgroup.wait_group(1)
+            acc_S_mn = _acc_mn(acc_S)
+            for r in cutlass.range_constexpr(n_rows):
+                acc_S_mn[r, None].store(
+                    cute.math.exp2(acc_S_mn[r, None].load() * scale_log2 - lse_log2[r], fastmath=True)
+                )
+            full_tile = (
+                m0 + M <= q_len
+                and n0 + N <= kv_len
+                and n0 - (m0 + M - 1) >= lo
+                and (n0 + N - 1) - m0 <= hi
+            )
+            if not full_tile:
+                self._apply_mask(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi)
+            rP = cute.make_fragment_like(acc_S, self.dtype)
+            rP.store(acc_S.load().to(self.dtype))
+            cute.copy(r2s_sdp, thr_r2s.retile(rP), tPsP[None, None, None, s])
+
+            warpgroup.wait_group(0)
+            acc_dP_mn = _acc_mn(acc_dP)
+            for r in cutlass.range_constexpr(n_rows):
+                acc_dP_mn[r, None].store(acc_S_mn[r, None].load() * (acc_dP_mn[r, None].load() - delta[r]))
+            rdS = cute.make_fragment_like(acc_dP, self.dtype)
+            rdS.store(acc_dP.load().to(self.dtype))
+            cute.copy(r2s_sdp, thr_r2s.retile(rdS), tdSsdS[None, None, None, s])
+
+            # Generic-proxy stores must be visible to WGMMA (async proxy),
+            # and dQ reads the other WG's half of dS.
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=NUM_MMA_THREADS)
+
+            acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((M, D)), Float32)
+            self._wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, s], tdQrKt[None, None, None, 0], True)
+            self._wgmma(mma_dkv, acc_dV, tdVrPt[None, None, None, s], tdVrdOt[None, None, None, s], False)
+            self._wgmma(mma_dkv, acc_dK, tdKrdSt[None, None, None, s], tdKrQt[None, None, None, s], False)
+
+            # dQ's reductions overlap the dV/dK GEMMs still in flight.
+            warpgroup.wait_group(2)
+            gdQ = cute.local_tile(mdQ[batch, None, head, None], (M, D), (m_block, 0))
+            tdQgdQ = thr_dq.partition_C(gdQ)
+            rows_left = seqlen_q - m0
+            # Accumulator elements 2k and 2k+1 are adjacent columns of a row.
+            for i in cutlass.range_constexpr(0, cute.size(acc_dQ), 2):
+                if tdQcdQ[i][0] < rows_left:
+                    ptr = tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout)
+                    _red_add_v2_f32(ptr, acc_dQ[i] * scale, acc_dQ[i + 1] * scale)
+            warpgroup.wait_group(0)
+            pipe.consumer_release(state)
+            state.advance()
+
+        # ---- epilogue: dK, dV staged through sK / sV (no GEMM reads them now).
+        cute.arch.barrier(barrier_id=BAR_EPI, number_of_threads=NUM_MMA_THREADS)
+        r2s_dkv = cute.make_tiled_copy_C(r2s_atom, mma_dkv)
+        thr_r2s_dkv = r2s_dkv.get_slice(tidx)
+        acc_dK.store(acc_dK.load() * scale)
+        rdK = cute.make_fragment_like(acc_dK, self.dtype)
+        rdK.store(acc_dK.load().to(self.dtype))
+        cute.copy(r2s_dkv, thr_r2s_dkv.retile(rdK), thr_r2s_dkv.partition_D(sK)[None, None, None, 0])
+        rdV = cute.make_fragment_like(acc_dV, self.dtype)
+        rdV.store(acc_dV.load().to(self.dtype))
+        cute.copy(r2s_dkv, thr_r2s_dkv.retile(rdV), thr_r2s_dkv.partition_D(sV)[None, None, None, 0])
+        cute.arch.barrier(barrier_id=BAR_EPI, number_of_threads=NUM_MMA_THREADS)
+        self._store_rows(gmem_store_tile, sK[None, None, 0], mdK[batch, None, kv_head, None], n_block, seqlen_k, tidx)
+        self._store_rows(gmem_store_tile, sV[None, None, 0], mdV[batch, None, kv_head, None], n_block, seqlen_k, tidx)
+
+    # -------------------------------------------------------------- helpers
+    @cute.jit
+    def _wgmma(self, tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr):
+        """Issue acc (+)= A B as one WGMMA group (not waited on)."""
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, not zero_init or k != 0)
+            cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _apply_mask(self, acc_mn, tScS, m0, n0, q_len, kv_len, lo, hi):
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            row = m0 + tScS[r, 0][0]
+            # Visible keys of this row, as tile-local columns [col_lo, col_hi).
+            col_lo = row + lo - n0
+            col_hi = cutlass.min(kv_len, row + hi + 1) - n0
+            if row >= q_len:
+                col_hi = Int32(0)
+            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                col = tScS[r, c][1]
+                if col < col_lo or col >= col_hi:
+                    acc_mn[r, c] = Float32(0.0)
+
+    @cute.jit
+    def _store_rows(self, tiled_copy, sX, mX, block, seqlen, tidx):
+        """Store an (n_block, D) shared tile to the rows of a [seqlen, D] tensor that exist."""
+        N = self.n_block
+        thr = tiled_copy.get_slice(tidx)
+        tXsX = thr.partition_S(sX)
+        tXgX = thr.partition_D(cute.local_tile(mX, (N, self.head_dim), (block, 0)))
+        tXcX = thr.partition_S(cute.make_identity_tensor((N, self.head_dim)))
+        tXrX = cute.make_fragment_like(tXsX, self.dtype)
+        cute.autovec_copy(tXsX, tXrX)
+        rows_left = seqlen - block * N
+        for m in cutlass.range_constexpr(cute.size(tXgX.shape[1])):
+            if tXcX[0, m, 0][0] < rows_left:
+                cute.copy(tiled_copy, tXrX[None, m, None], tXgX[None, m, None])
+
+
+def _transpose(t: cute.Tensor) -> cute.Tensor:
+    """(rows, cols, stages) -> (cols, rows, stages) view of the same bytes."""
+    shape = (t.shape[1], t.shape[0], t.shape[2])
+    return cute.composition(t, cute.make_ordered_layout(shape, order=(1, 0, 2)))
+
+
+def _acc_mn(t: cute.Tensor) -> cute.Tensor:
+    """View a WGMMA accumulator ((2, 2, N/8), MMA_M, MMA_N) as (rows, cols)."""
+    sh, st = t.layout.shape, t.layout.stride
+    return cute.make_tensor(
+        t.iterator,
+        cute.make_layout(
+            ((sh[0][1], sh[1]), (sh[0][0], sh[0][2], sh[2])),
+            stride=((st[0][1], st[1]), (st[0][0], st[0][2], st[2])),
+        ),
+    )
+
+
+@dsl_user_op
+def _red_add_v2_f32(ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
+    """Fire-and-forget fp32x2 reduction into global memory (8-byte aligned)."""
+    llvm.inline_asm(
+        None,
+        [ptr.toint(loc=loc, ip=ip).ir_value(), Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+        "red.global.add.v2.f32 [$0], {$1, $2};",
+        "l,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )

@@ -1,0 +1,214 @@
+"""Running the kernels on sharded arrays: batch (data parallel) and heads
+(tensor parallel) sharding without communication.
+
+Three ways an array reaches a kernel call sharded:
+
+* ``Auto`` mesh axes under ``jax.jit``: each kernel call is wrapped in
+  ``custom_partitioning`` with a Shardy sharding rule. Batch and head
+  dimensions pass through, so the SPMD partitioner runs the kernel once per
+  shard on the local slices and the outputs keep q's sharding. The query
+  heads dimension is the compound factor ``(k g)`` (kv head, position in its
+  group), which keeps each GQA group with its kv head. Unsupported shardings
+  (sequence, head dim, a GQA group split across devices) raise
+  ``NotImplementedError`` from the partitioner, at compile time, which XLA
+  reports as a runtime error carrying the message.
+* ``Explicit`` mesh axes (``jax.make_mesh``'s default): the sharding is part
+  of the arrays' types, so the kernel runs under ``shard_map`` with the specs
+  derived from q's, and unsupported shardings raise while tracing.
+* Inside ``shard_map``: the calls run on the local blocks as they are; the
+  kernel outputs are cast to vary over the same manual mesh axes as their
+  inputs, so that ``check_vma=True`` (the default) and gradients type-check.
+
+For a sharded sequence use ``jax_flash.ring_attention``.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.interpreters import mlir
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_flash import ffi
+
+_LEADING = "b"  # factor name prefix for the batch dims (more than one under vmap)
+
+
+def _varying_axes(x) -> frozenset:
+  """The manual mesh axes ``x`` varies over inside ``shard_map``."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def match_varying(outputs, inputs):
+  """Casts each array of ``outputs`` to vary over every manual mesh axis that
+  some array of ``inputs`` varies over. A kernel's result depends on all its
+  inputs, but an FFI call's abstract evaluation leaves it invariant."""
+  axes = frozenset().union(*(_varying_axes(x) for x in jax.tree.leaves(inputs)))
+  if not axes:
+    return outputs
+
+  def cast(x):
+    missing = tuple(sorted(axes - _varying_axes(x), key=str))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(cast, outputs)
+
+
+def _spec(sharding, ndim: int) -> tuple:
+  spec = tuple(sharding.spec)
+  return spec + (None,) * (ndim - len(spec))
+
+
+def axes_of(entry) -> tuple:
+  return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+def _unsupported(direction: str, problem: str) -> NotImplementedError:
+  return NotImplementedError(
+      f"jax_flash {direction} kernel: {problem}. Shard q, k and v over batch and/or heads only "
+      "(for sequence sharding use jax_flash.ring_attention inside shard_map).")
+
+
+def check_specs(q_spec, k_spec, v_spec, axis_sizes, heads_kv: int, direction: str):
+  """Raises NotImplementedError unless the specs shard only batch and whole
+  GQA groups of heads, consistently; ``axis_sizes`` maps mesh axis names to
+  sizes."""
+  for name, spec in (("q", q_spec), ("k", k_spec), ("v", v_spec)):
+    if spec[-3] is not None:
+      raise _unsupported(direction, f"{name} is sharded along the sequence ({spec[-3]!r})")
+    if spec[-1] is not None:
+      raise _unsupported(direction, f"{name} is sharded along the head dim ({spec[-1]!r})")
+  shards = int(np.prod([axis_sizes[a] for a in axes_of(q_spec[-2])]))
+  if heads_kv % shards:
+    raise _unsupported(direction, (
+        f"the heads are sharded {shards} ways ({q_spec[-2]!r}), which splits GQA groups of "
+        f"heads_kv={heads_kv} kv heads; shard heads over a divisor of heads_kv"))
+
+
+def _plan(specs, axis_sizes, heads_kv: int, direction: str):
+  """Checks the (q, k, v) specs and returns ``spec_of(array)``: the spec of
+  every kernel operand and result, told apart by rank (q / k / v / out /
+  gradients, lse / delta, segment ids and bounds, lengths). q's batch and heads sharding decides; k
+  and v are resharded to it (a local slice when they are replicated)."""
+  check_specs(*specs, axis_sizes, heads_kv, direction)
+  batch, heads = specs[0][:-3], specs[0][-2]
+  rank = len(specs[0])
+  by_rank = {rank: P(*batch, None, heads, None), rank - 1: P(*batch, heads, None),
+             rank - 2: P(*batch, None), rank - 3: P(*batch)}
+  return lambda x: by_rank[x.ndim]
+
+
+def _sharding_rule(operands: str, results: str):
+  """A Shardy rule callable: the operand / result specs use ``B`` for the
+  leading batch dims (one factor each) and ``(k g)`` for the query heads."""
+
+  def rule(call, mesh, value_types, result_types):
+    del call, mesh, result_types
+    q_type, k_type = (mlir.ir.RankedTensorType(t) for t in value_types[:2])
+    leading = " ".join(f"{_LEADING}{i}" for i in range(q_type.rank - 3))
+    group = q_type.shape[-2] // k_type.shape[-2]
+    spec = f"{operands} -> {results}".replace("B", leading)
+    if group == 1:  # Shardy rejects a compound factor with a part of size 1
+      return spec.replace("(k g)", "k"), {}
+    return spec, {"g": group}
+
+  return rule
+
+
+def _partitioned(kernel, direction: str, operands: str, results: str):
+  """Wraps ``kernel(*arrays, call)`` so that it partitions per shard."""
+
+  @functools.partial(custom_partitioning, static_argnums=(len(operands.split(",")),))
+  def run(*args):
+    return kernel(*args)
+
+  def partition(call, mesh, arg_shapes, result_shapes):
+    q, k, v = arg_shapes[:3]
+    spec_of = _plan([_spec(x.sharding, x.ndim) for x in (q, k, v)], dict(mesh.shape),
+                    k.shape[-2], direction)
+    sharding_of = lambda x: NamedSharding(mesh, spec_of(x))
+    return (mesh, lambda *args: kernel(*args, call), tuple(map(sharding_of, result_shapes)),
+            tuple(map(sharding_of, arg_shapes)))
+
+  run.def_partition(partition, sharding_rule=_sharding_rule(operands, results))
+  return run
+
+
+_forward = _partitioned(
+    ffi.forward, "forward",
+    "B t (k g) h, B s k h, B s k d, B, B, B i, B j, B m, B n",
+    "B t (k g) d, B (k g) t")
+_backward = _partitioned(
+    ffi.backward, "backward",
+    "B t (k g) h, B s k h, B s k d, B t (k g) d, B (k g) t, B (k g) t, B, B, B i, B j, B m, B n",
+    "B t (k g) h, B s k h, B s k d")
+
+
+def _explicit_specs(q, k, v):
+  """For inputs sharded over ``Explicit`` mesh axes (``jax.make_mesh``'s
+  default): (mesh, q-like spec function), else None. Such inputs carry their
+  sharding in their type, so the kernel runs under ``shard_map`` and its
+  outputs get the matching sharded types."""
+  mesh = jax.typeof(q).sharding.mesh
+  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+              if kind == AxisType.Explicit}
+  specs = [_spec(jax.typeof(x).sharding, x.ndim) for x in (q, k, v)]
+  used = {a for spec in specs for entry in spec for a in axes_of(entry)}
+  if not used & explicit:
+    return None
+  return mesh, _plan(specs, dict(mesh.shape), k.shape[-2], "attention")
+
+
+def _sharded(fn, cotangents: bool):
+  """``fn(*arrays, call)`` made vmappable and usable on explicitly sharded
+  arrays and inside ``shard_map``.
+
+  ``custom_partitioning`` has no batching rule, but the kernels take any
+  number of leading batch dims, so a vmapped call moves the mapped axis to
+  the front of every array. ``cotangents``: the first three outputs are the
+  gradients of the first three inputs and take their shardings.
+  """
+
+  @functools.cache
+  def for_call(call: ffi.KernelCall):
+    @jax.custom_batching.custom_vmap
+    def run(*args):
+      return fn(*args, call)
+
+    @run.def_vmap
+    def rule(axis_size, in_batched, *args):
+      args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+              for x, batched in zip(args, in_batched)]
+      outputs = run(*args)
+      return outputs, jax.tree.map(lambda _: True, outputs)
+
+    return run
+
+  def apply(*args):
+    *arrays, call = args
+    explicit = _explicit_specs(*arrays[:3])
+    if explicit is None:
+      return match_varying(for_call(call)(*arrays), arrays)
+    mesh, spec_of = explicit
+    out_shapes = jax.eval_shape(for_call(call), *arrays)
+    kernel = jax.shard_map(lambda *a: match_varying(for_call(call)(*a), a), mesh=mesh,
+                           in_specs=tuple(map(spec_of, arrays)),
+                           out_specs=tuple(map(spec_of, out_shapes)))
+    outputs = kernel(*(jax.sharding.reshard(x, spec_of(x)) for x in arrays))
+    if cotangents:
+      outputs = tuple(jax.sharding.reshard(g, jax.typeof(x).sharding.spec)
+                      for g, x in zip(outputs, arrays))
+    return outputs
+
+  return apply
+
+
+forward = _sharded(_forward, cotangents=False)
+backward = _sharded(_backward, cotangents=True)

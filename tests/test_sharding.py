@@ -1,0 +1,249 @@
+"""Multi-device attention on 8 fake CPU devices (conftest.py sets XLA_FLAGS):
+batch / heads sharding through jit and shard_map, ring attention over a
+sharded sequence, and the errors for shardings the kernels cannot serve."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_flash
+import numerics
+from attention_base import mask_kwargs
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+
+DTYPE = jnp.bfloat16
+COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
+
+
+def auto_mesh(shape=(2, 4), names=("dp", "tp")):
+  devices = np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+  return jax.sharding.Mesh(devices, names)
+
+
+def forward_backward(fn):
+  """jit(q, k, v, dout -> out, lse, dq, dk, dv) for fn(q, k, v) -> (out, lse)."""
+
+  def run(q, k, v, dout):
+    (out, lse), pullback = jax.vjp(fn, q, k, v)
+    return (out, lse, *pullback((dout, jnp.zeros_like(lse))))
+
+  return jax.jit(run)
+
+
+def assert_matches_reference(got, q, k, v, dout, **mask):
+  """The tolerance principle against the unsharded float64 reference."""
+  scale = 1.0 / np.sqrt(q.shape[-1])
+  ref = numerics.float64_reference(q, k, v, dout, scale=scale, **mask)
+  naive = numerics.naive(q, k, v, dout, scale=scale, **mask)
+  for name, g, r, n in zip(("out", "lse", "dq", "dk", "dv"), got, ref, naive):
+    g = np.asarray(jnp.asarray(g, jnp.float32))
+    numerics.assert_within_tolerance(name, g, r, n, q.dtype, reduction=k.shape[1])
+
+
+def assert_sharded(x, mesh, spec):
+  want = NamedSharding(mesh, spec)
+  assert x.sharding.is_equivalent_to(want, x.ndim), f"sharding {x.sharding.spec}, expected {spec}"
+
+
+# Batch (data parallel) and heads (tensor parallel) sharding under jit.
+
+SPECS = {"data": P("dp"), "tensor": P(None, None, "tp"), "data_tensor": P("dp", None, "tp")}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", list(SPECS))
+def test_batch_and_head_sharding(layout, causal):
+  mesh, spec = auto_mesh(), SPECS[layout]
+  q, k, v, dout = numerics.random_qkv(0, 2, 45, 45, 8, 4, 32, DTYPE)
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))
+  run = forward_backward(lambda q, k, v: jax_flash.attention(
+      q, k, v, causal=causal, return_lse=True, implementation="cpu"))
+  got = run(*map(put, (q, k, v, dout)))
+  assert_matches_reference(got, q, k, v, dout, **mask_kwargs(45, 45, causal))
+  # Per-shard kernel calls on the local slices: the same numbers as one call.
+  unsharded = run(q, k, v, dout)
+  for g, u in zip(got, unsharded):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(u))
+  out, lse, dq, dk, dv = got
+  for x in (out, dq, dk, dv):
+    assert_sharded(x, mesh, spec)
+  assert_sharded(lse, mesh, P(spec[0], *spec[2:]))
+  hlo = run.lower(*map(put, (q, k, v, dout))).compile().as_text()
+  assert not [c for c in COLLECTIVES if c in hlo], "batch / heads sharding must not communicate"
+
+
+def test_replicated_kv_follows_q_sharding():
+  # k, v replicated: each device slices its heads locally, still no collective.
+  mesh = auto_mesh()
+  q, k, v, _ = numerics.random_qkv(1, 2, 33, 40, 8, 4, 32, DTYPE)
+  f = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, implementation="cpu"))
+  q_sharded = jax.device_put(q, NamedSharding(mesh, P("dp", None, "tp")))
+  out = f(q_sharded, k, v)
+  assert_sharded(out, mesh, P("dp", None, "tp"))
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(f(q, k, v)))
+  assert not [c for c in COLLECTIVES if c in f.lower(q_sharded, k, v).compile().as_text()]
+
+
+def test_explicit_mesh_sharding():
+  # jax.make_mesh's default Explicit axes carry the sharding in the types.
+  mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+  q, k, v, dout = numerics.random_qkv(2, 2, 30, 30, 8, 4, 32, DTYPE)
+  spec = P("dp", None, "tp", None)
+  with jax.set_mesh(mesh):
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))
+    got = forward_backward(lambda q, k, v: jax_flash.attention(
+        q, k, v, causal=True, return_lse=True, implementation="cpu"))(*map(put, (q, k, v, dout)))
+  assert_matches_reference(got, q, k, v, dout, **mask_kwargs(30, 30, True))
+  assert_sharded(got[1], mesh, P("dp", "tp"))
+  for x in (got[0], *got[2:]):
+    assert_sharded(x, mesh, spec)
+
+
+def test_shard_map_gradients_with_check_vma():
+  mesh = auto_mesh()
+  q, k, v, dout = numerics.random_qkv(3, 2, 40, 40, 8, 4, 32, DTYPE)
+  spec, lse_spec = P("dp", None, "tp"), P("dp", "tp")
+  attend = jax.shard_map(
+      lambda q, k, v: jax_flash.attention(q, k, v, causal=True, return_lse=True,
+                                          implementation="cpu"),
+      mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, lse_spec))
+  got = forward_backward(attend)(q, k, v, dout)
+  assert_matches_reference(got, q, k, v, dout, **mask_kwargs(40, 40, True))
+
+
+# Shardings the per-shard kernel call cannot serve.
+
+@pytest.mark.parametrize("q_spec,heads_kv,match", [
+    (P(None, "tp"), 4, "q is sharded along the sequence"),
+    (P(None, None, None, "tp"), 4, "q is sharded along the head dim"),
+    (P(None, None, "tp"), 2, r"heads are sharded 4 ways .* splits GQA groups of heads_kv=2"),
+], ids=["seq", "head_dim", "split_group"])
+@pytest.mark.parametrize("mode", ["auto", "explicit"])
+def test_unsupported_sharding_raises(mode, q_spec, heads_kv, match):
+  q, k, v, _ = numerics.random_qkv(4, 2, 16, 16, 8, heads_kv, 32, DTYPE)
+  f = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, implementation="cpu"))
+  if mode == "explicit":
+    # The sharding is known while tracing: a plain NotImplementedError.
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+    with jax.set_mesh(mesh), pytest.raises(NotImplementedError, match=match):
+      f(jax.device_put(q, NamedSharding(mesh, q_spec)), k, v)
+  else:
+    # Auto axes are resolved by the partitioner at compile time, which
+    # reports the same message through XLA's runtime error.
+    mesh = auto_mesh()
+    with pytest.raises(Exception, match=match):
+      f(jax.device_put(q, NamedSharding(mesh, q_spec)), k, v)
+
+
+# Ring attention (context parallel) over "sp", data parallel over "dp".
+
+RING_CASES = {
+    "contiguous_full_gqa": dict(layout="contiguous", causal=False, window=None, heads_kv=2),
+    "zigzag_causal_gqa": dict(layout="zigzag", causal=True, window=None, heads_kv=2),
+    "zigzag_causal_mqa": dict(layout="zigzag", causal=True, window=None, heads_kv=1),
+    "contiguous_causal_window": dict(layout="contiguous", causal=True, window=(20, None),
+                                     heads_kv=4),
+    "zigzag_window": dict(layout="zigzag", causal=False, window=(9, 30), heads_kv=2),
+}
+
+
+@pytest.mark.parametrize("case", list(RING_CASES))
+def test_ring_attention(case):
+  layout, causal, window, heads_kv = (RING_CASES[case][key] for key in
+                                      ("layout", "causal", "window", "heads_kv"))
+  mesh, sp = auto_mesh(names=("dp", "sp")), 4
+  seq = 96  # 12 positions per zigzag chunk
+  q, k, v, dout = numerics.random_qkv(5, 2, seq, seq, 4, heads_kv, 32, DTYPE)
+  order = (lambda x: jax_flash.to_zigzag(x, sp)) if layout == "zigzag" else (lambda x: x)
+  unorder = (lambda x: jax_flash.from_zigzag(x, sp)) if layout == "zigzag" else (lambda x: x)
+  run = forward_backward(lambda q, k, v: jax_flash.ring_attention_sharded(
+      q, k, v, mesh=mesh, seq_axis="sp", batch_axis="dp", causal=causal, window=window,
+      layout=layout, return_lse=True, implementation="cpu"))
+  out, lse, dq, dk, dv = run(*map(order, (q, k, v, dout)))
+  assert_sharded(out, mesh, P("dp", "sp"))
+  assert_sharded(lse, mesh, P("dp", None, "sp"))
+  got = (unorder(out), jnp.swapaxes(unorder(jnp.swapaxes(lse, 1, 2)), 1, 2),
+         *map(unorder, (dq, dk, dv)))
+  assert_matches_reference(got, q, k, v, dout, **mask_kwargs(seq, seq, causal, window))
+
+
+def test_ring_attention_lse_cotangent_and_heads_axis():
+  # A loss through lse, with heads sharded too: against the unsharded call.
+  mesh = auto_mesh((2, 4), ("tp", "sp"))
+  q, k, v, _ = numerics.random_qkv(6, 1, 64, 64, 4, 2, 16, jnp.float32)
+
+  def loss(attend):
+    def f(q, k, v):
+      out, lse = attend(q, k, v)
+      return jnp.sum(out ** 2) + jnp.sum(jnp.where(jnp.isfinite(lse), jnp.sin(lse), 0.0))
+    return jax.jit(jax.value_and_grad(f, (0, 1, 2)))
+
+  ring = loss(lambda q, k, v: jax_flash.ring_attention_sharded(
+      q, k, v, mesh=mesh, seq_axis="sp", head_axis="tp", causal=True, layout="contiguous",
+      return_lse=True, implementation="cpu"))
+  plain = loss(lambda q, k, v: jax_flash.attention(q, k, v, causal=True, return_lse=True,
+                                                   implementation="cpu"))
+  for got, want in zip(jax.tree.leaves(ring(q, k, v)), jax.tree.leaves(plain(q, k, v))):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+def test_ring_attention_sharded_on_explicit_mesh():
+  # Unsharded inputs on a jax.make_mesh (Explicit) mesh are resharded for the ring.
+  mesh = jax.make_mesh((2, 4), ("dp", "sp"))
+  q, k, v, _ = numerics.random_qkv(9, 2, 32, 32, 2, 1, 16, jnp.float32)
+  grads = lambda attend: jax.jit(jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v) ** 2),
+                                          (0, 1, 2)))(q, k, v)
+  ring = grads(lambda q, k, v: jax_flash.ring_attention_sharded(
+      q, k, v, mesh=mesh, seq_axis="sp", batch_axis="dp", causal=True, implementation="cpu"))
+  plain = grads(lambda q, k, v: jax_flash.attention(q, k, v, causal=True, implementation="cpu"))
+  for got, want in zip(ring, plain):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+def test_ring_hlo_uses_collective_permute_only():
+  mesh = auto_mesh((8,), ("sp",))
+  q, k, v, _ = numerics.random_qkv(7, 1, 64, 64, 2, 1, 16, DTYPE)
+  f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jax_flash.ring_attention_sharded(
+      q, k, v, mesh=mesh, seq_axis="sp", causal=True, layout="zigzag",
+      implementation="cpu").astype(jnp.float32)), (0, 1, 2)))
+  hlo = f.lower(q, k, v).compile().as_text()
+  assert "collective-permute" in hlo
+  assert not [c for c in ("all-gather", "all-to-all") if c in hlo]
+
+
+def test_zigzag_round_trip():
+  x = jnp.arange(2 * 16).reshape(2, 16)
+  z = jax_flash.to_zigzag(x, 4)
+  np.testing.assert_array_equal(z[0, :4], [0, 1, 14, 15])  # chunks 0 and 7 on device 0
+  np.testing.assert_array_equal(jax_flash.from_zigzag(z, 4), x)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(layout="spiral"), ValueError, "layout must be one of"),
+    (dict(implementation="xla"), NotImplementedError, "implementation='xla' is not supported"),
+    (dict(causal=True, seq_k=32), ValueError, "needs q and k/v blocks of one length"),
+    (dict(layout="zigzag", seq_q=15, seq_k=15), ValueError, "even local sequence lengths"),
+    (dict(head_axis="tp", heads_kv=1), NotImplementedError, "splits GQA groups"),
+])
+def test_ring_errors(kwargs, error, match):
+  mesh = auto_mesh((2, 4), ("tp", "sp"))
+  seq_q, seq_k = kwargs.pop("seq_q", 16), kwargs.pop("seq_k", 16)
+  q, k, v, _ = numerics.random_qkv(8, 1, 4 * seq_q, 4 * seq_k, 4, kwargs.pop("heads_kv", 4), 16,
+                                   DTYPE)
+  with pytest.raises(error, match=match):
+    jax_flash.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis="sp", **kwargs)
+
+
+def test_ring_outside_shard_map_raises():
+  q = jnp.zeros((1, 16, 2, 16), DTYPE)
+  with pytest.raises(ValueError, match="mesh axis 'sp' bound: call it inside shard_map"):
+    jax_flash.ring_attention(q, q, q, axis_name="sp")
+
+
+def test_zigzag_indices_error():
+  with pytest.raises(ValueError, match="seq_len 30 is not a multiple of 8"):
+    jax_flash.to_zigzag(jnp.zeros((1, 30)), 4)
