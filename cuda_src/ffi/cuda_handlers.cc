@@ -62,15 +62,13 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 }  // namespace
 }  // namespace jax_flash
 
-// Command-buffer (CUDA graph) compatible: the handlers only enqueue kernels
-// and memsets on XLA's stream; tests/test_cuda_graphs.py proves capture works.
+// Not declared command-buffer (CUDA graph) compatible: capture has not been
+// shown to work yet (see the README).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFlashFwdCuda, jax_flash::FwdCuda,
     jax_flash::BindForward(
-        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
-    {xla::ffi::Traits::kCmdBufferCompatible});
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFlashBwdCuda, jax_flash::BwdCuda,
     jax_flash::BindBackward(
-        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
-    {xla::ffi::Traits::kCmdBufferCompatible});
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
