@@ -16,7 +16,9 @@ import pathlib
 import sys
 
 import jax
+import jax.numpy as jnp
 
+import jax_flash
 from jax_flash import benchmark
 
 # XLA materialises the [B, N, S, S] scores; past this length it runs out of memory.
@@ -83,23 +85,37 @@ def main(argv=None) -> int:
 
 
 def packed(args, ceiling: float) -> int:
-  """Issue 5's packed-row benchmark: milliseconds, segment ids vs dense."""
+  """Issue 5's packed-row benchmark: milliseconds of jax_flash with segment
+  ids, of the same kernel on the dense causal row, and of cuDNN with JAX's
+  segment offsets, plus cuDNN's largest difference from jax_flash."""
   config = benchmark.Config(1, args.tokens, args.heads, args.head_dims[0], True, args.dtype)
   ids, lengths = benchmark.packed_document_ids(args.tokens, args.packed_docs)
   variant = f"packed-{args.packed_docs}-docs"
-  rows = []
-  results = {}
-  for name, segment_ids in ((variant, ids), (variant + "-dense", None)):
-    results[name] = r = benchmark.measure_packed(config, segment_ids, iters=args.iters)
-    for op in ("fwd", "bwd"):
-      rows.append({**benchmark.rows("jax_flash", config, {f"{op}_ms": r[f"{op}_ms"],
-                                                          f"{op}_tflops": float("nan")},
-                                    ceiling, name)[0], "tflops": None})
+  results = {("jax_flash", variant): benchmark.measure_packed(config, ids, iters=args.iters),
+             ("jax_flash", variant + "-dense"): benchmark.measure_packed(config, None,
+                                                                         iters=args.iters)}
   print(f"document lengths {lengths.tolist()}")
-  for op in ("fwd", "bwd"):
-    packed_ms, dense_ms = results[variant][f"{op}_ms"], results[variant + "-dense"][f"{op}_ms"]
-    print(f"{op}: segments {packed_ms:.3f} ms, dense causal {dense_ms:.3f} ms, "
-          f"{dense_ms / packed_ms:.2f}x faster")
+  try:
+    results["cudnn", variant], cudnn_out = benchmark.measure_cudnn_packed(config, lengths,
+                                                                          iters=args.iters)
+    q, k, v, _ = benchmark.inputs(config)
+    ours = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, causal=True, segment_ids=ids))(
+        q, k, v)
+    diff = float(jnp.max(jnp.abs(ours.astype(jnp.float32) - cudnn_out.astype(jnp.float32))))
+    print(f"cuDNN vs jax_flash on the packed row: max |difference| {diff:.3g}")
+  except Exception as e:  # the private API moves between JAX versions
+    print(f"cuDNN packed: failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+  rows = []
+  for (impl, name), r in results.items():
+    for op in ("fwd", "bwd"):
+      row = benchmark.rows(impl, config, {f"{op}_ms": r[f"{op}_ms"], f"{op}_tflops": 0.0},
+                           ceiling, name)[0]
+      rows.append({**row, "tflops": None})
+  base = results["jax_flash", variant]
+  for (impl, name), r in results.items():
+    print(f"{impl:>10} {name:<22}" + "".join(
+        f"  {op} {r[op + '_ms']:.3f} ms ({r[op + '_ms'] / base[op + '_ms']:.2f}x segments)"
+        for op in ("fwd", "bwd")))
   if args.out:
     existing = json.loads(args.out.read_text()) if args.out.exists() else []
     args.out.write_text(json.dumps(existing + rows, indent=1) + "\n")

@@ -113,6 +113,30 @@ def measure_packed(config: Config, segment_ids, iters: int = 10) -> dict:
   return {"fwd_ms": fwd_ms, "bwd_ms": max(total - fwd_ms, 1e-6)}
 
 
+def measure_cudnn_packed(config: Config, lengths, iters: int = 10):
+  """cuDNN on the same packed row through JAX's segment offsets (a private
+  JAX API: ``jax._src.cudnn``; jax.nn does not expose packing). Returns the
+  timings and its output, so that callers can check it."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+  q, k, v, dout = inputs(config)
+  seqlen = jnp.asarray(lengths, jnp.int32)[None]
+  offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(seqlen[0])])[None]
+  scale = 1.0 / float(np.sqrt(config.head_dim))
+
+  def attend(q, k, v):
+    return cudnn.dot_product_attention(q, k, v, None, None, seqlen, seqlen, offsets, offsets,
+                                       scale=scale, mask_type=cudnn.MaskType.PADDING_CAUSAL)
+
+  @jax.jit
+  def forward_backward(q, k, v, dout):
+    return jax.vjp(attend, q, k, v)[1](dout)
+
+  fwd_ms = _time(jax.jit(attend), (q, k, v), iters)
+  total = _time(forward_backward, (q, k, v, dout), iters)
+  return {"fwd_ms": fwd_ms, "bwd_ms": max(total - fwd_ms, 1e-6)}, jax.jit(attend)(q, k, v)
+
+
 def matmul_ceiling_tflops(n: int = 8192, iters: int = 20) -> float:
   """bf16 matrix-product rate measured on random data on this device."""
   keys = jax.random.split(jax.random.key(1))
