@@ -20,7 +20,9 @@ endif()
 # Each kernel family (a folder of cuda_src with kernel.py, export.py and
 # launch.cc) and the architectures it is exported for. The sm80 family also
 # serves Hopper when the sm90 one declines a problem.
-set(JF_KERNEL_FAMILIES fwd_sm80 bwd_sm80 bwd_sm90)
+set(JF_KERNEL_FAMILIES fwd_sm80 bwd_sm80 bwd_sm90 CACHE STRING
+    "Kernel families to build (folders of cuda_src)")
+set(JF_FAMILY_ARCHS_fwd_sm90 sm_90a)
 set(JF_FAMILY_ARCHS_fwd_sm80 sm_80 sm_90a)
 set(JF_FAMILY_ARCHS_bwd_sm80 sm_80 sm_90a)
 set(JF_FAMILY_ARCHS_bwd_sm90 sm_90a)
@@ -78,7 +80,7 @@ add_custom_target(jax_flash_aot_kernels DEPENDS ${jf_archives})
 
 add_library(jax_flash_cuda SHARED cuda_src/ffi/cuda_handlers.cc ${jf_launchers})
 add_dependencies(jax_flash_cuda jax_flash_aot_kernels)
-target_include_directories(jax_flash_cuda PRIVATE ${JF_INCLUDE_DIRS} ${jf_include_dirs})
+target_include_directories(jax_flash_cuda PRIVATE ${JF_INCLUDE_DIRS} ${CMAKE_CURRENT_SOURCE_DIR}/cuda_src/common ${jf_include_dirs})
 target_compile_definitions(jax_flash_cuda PRIVATE ${jf_definitions})
 target_compile_options(jax_flash_cuda PRIVATE -O2)
 target_link_libraries(jax_flash_cuda PRIVATE

@@ -70,11 +70,16 @@ def _find_cuda_library() -> pathlib.Path | None:
   return path if path.is_file() else None
 
 
+_cuda_library: ctypes.CDLL | None = None
+
+
 def _register_cuda() -> pathlib.Path | None:
+  global _cuda_library
   path = _find_cuda_library()
   if path is None:
     return None
-  library = ctypes.CDLL(str(path))
+  library = _cuda_library = ctypes.CDLL(str(path))
+  library.JaxFlashCudaHandlerCalls.restype = ctypes.c_int64
   for direction, symbol in (("fwd", "JaxFlashFwdCuda"), ("bwd", "JaxFlashBwdCuda")):
     capsule = jax.ffi.pycapsule(getattr(library, symbol))
     jax.ffi.register_ffi_target(_target("gpu", direction), capsule, platform="CUDA")
@@ -88,6 +93,14 @@ CUDA_LIBRARY: pathlib.Path | None = _register_cuda()
 def cuda_kernels_available() -> bool:
   """Whether this installation holds the GPU kernels."""
   return CUDA_LIBRARY is not None
+
+
+def cuda_handler_calls() -> int:
+  """How many times XLA has called the CUDA handlers in this process (a
+  replayed CUDA graph does not call them)."""
+  if _cuda_library is None:
+    raise RuntimeError("this installation holds no CUDA kernels")
+  return int(_cuda_library.JaxFlashCudaHandlerCalls())
 
 
 def no_segments(q):

@@ -33,8 +33,8 @@ if [[ $STAGE == tests || $STAGE == all ]]; then
   "$PYTHON" -m jax_flash --no-bench 2>&1 | tee "$OUT/check.log"
   step "GPU tests"
   export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several test processes share the GPU
-  "$PYTHON" -m pytest tests/test_backends.py tests/test_errors.py \
-      -k "Gpu or errors" -q -n 8 -p no:cacheprovider --maxfail=20 --durations=5 \
+  "$PYTHON" -m pytest tests/test_backends.py tests/test_errors.py tests/test_cuda_graphs.py \
+      -k "Gpu or errors or graphs" -q -n 8 -p no:cacheprovider --maxfail=20 --durations=5 \
       2>&1 | tee "$OUT/tests.log"
   step "compute-sanitizer memcheck + racecheck on a small problem"
   for tool in memcheck racecheck; do

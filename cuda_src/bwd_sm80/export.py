@@ -14,24 +14,24 @@ The wrapper takes (scale, key_lo, key_hi); launch.cc derives the key bounds
 from diag_offset and the window.
 """
 
-import argparse
 import os
+import pathlib
 import sys
-import time
 
-# The DSL picks its target when cutlass is first imported; on a machine
-# without a GPU it would otherwise default to sm_100a.
+# Run as a script: make cuda_src/common importable here and in kernel.py.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from common.export_common import (  # noqa: E402
+    VECTOR_ALIGN,
+    FakeProblem,
+    export_variants,
+    parse_export_args,
+    write_variants_header,
+)
+
 ARCHES = ("sm_80", "sm_90a")
 HEAD_DIMS = (64, 96, 128, 192, 256)
 DTYPES = (("f16", "Float16", "JF_FLOAT16"), ("bf16", "BFloat16", "JF_BFLOAT16"))
-
-
-def _parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", required=True, choices=ARCHES)
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--only", default="", help="comma-separated subset, e.g. bf16_128 (development aid)")
-    return p.parse_args(argv)
 
 
 def _arch_tag(arch: str) -> str:
@@ -44,42 +44,26 @@ def variant_name(arch: str, dtype_tag: str, head_dim: int, has_segments: bool) -
 
 
 def _compile_variant(dtype, head_dim, arch, has_segments):
-    import cuda.bindings.driver as cuda  # noqa: F401  (stream annotation type)
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_compact_tensor
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from kernel import FlashBwdSm80
 
-    batch, seqlen_q, seqlen_k = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    heads_q, heads_kv = cute.sym_int(), cute.sym_int()
-    row_major4 = dict(stride_order=(3, 2, 1, 0), assumed_align=16)
-    row_major3 = dict(stride_order=(2, 1, 0), assumed_align=16)
-
-    def bthd(dt, seqlen, heads):
-        return make_fake_compact_tensor(dt, (batch, seqlen, heads, head_dim), **row_major4)
-
-    q = bthd(dtype, seqlen_q, heads_q)
-    k = bthd(dtype, seqlen_k, heads_kv)
-    v = bthd(dtype, seqlen_k, heads_kv)
-    do = bthd(dtype, seqlen_q, heads_q)
-    lse = make_fake_compact_tensor(cutlass.Float32, (batch, heads_q, seqlen_q), **row_major3)
-    delta = make_fake_compact_tensor(cutlass.Float32, (batch, heads_q, seqlen_q), **row_major3)
-    q_lens = make_fake_compact_tensor(cutlass.Int32, (batch,), assumed_align=4)
-    kv_lens = make_fake_compact_tensor(cutlass.Int32, (batch,), assumed_align=4)
-    dq = bthd(cutlass.Float32, seqlen_q, heads_q)
-    dk = bthd(dtype, seqlen_k, heads_kv)
-    dv = bthd(dtype, seqlen_k, heads_kv)
+    fake = FakeProblem(head_dim)
+    q = fake.bthd(dtype, fake.seqlen_q, fake.heads_q)
+    k = fake.bthd(dtype, fake.seqlen_k, fake.heads_kv)
+    v = fake.bthd(dtype, fake.seqlen_k, fake.heads_kv)
+    do = fake.bthd(dtype, fake.seqlen_q, fake.heads_q)
+    lse = fake.per_head_row(assumed_align=VECTOR_ALIGN)
+    delta = fake.per_head_row(assumed_align=VECTOR_ALIGN)
+    q_lens, kv_lens = fake.lens(), fake.lens()
+    dq = fake.bthd(cutlass.Float32, fake.seqlen_q, fake.heads_q)
+    dk = fake.bthd(dtype, fake.seqlen_k, fake.heads_kv)
+    dv = fake.bthd(dtype, fake.seqlen_k, fake.heads_kv)
     stream = cutlass.runtime.make_fake_stream()
     segments = ()
     if has_segments:
-        q_seg = make_fake_compact_tensor(cutlass.Int32, (batch, seqlen_q), stride_order=(1, 0), assumed_align=4)
-        kv_seg = make_fake_compact_tensor(cutlass.Int32, (batch, seqlen_k), stride_order=(1, 0), assumed_align=4)
-        q_bounds = make_fake_compact_tensor(
-            cutlass.Int32, (batch, seqlen_k, 2), stride_order=(2, 1, 0), assumed_align=4
-        )
-        segments = (q_seg, kv_seg, q_bounds)
+        q_bounds = fake.segment_bounds(fake.seqlen_k)
+        segments = (fake.segment_ids(fake.seqlen_q), fake.segment_ids(fake.seqlen_k), q_bounds)
     kernel = FlashBwdSm80(dtype, head_dim, arch, has_segments)
     return cute.compile(
         kernel, q, k, v, do, lse, delta, q_lens, kv_lens, dq, dk, dv,
@@ -88,42 +72,37 @@ def _compile_variant(dtype, head_dim, arch, has_segments):
 
 
 def main(argv=None):
-    args = _parse_args(argv)
-    os.environ["CUTE_DSL_ARCH"] = args.arch
-    import cutlass  # noqa: F401  (after CUTE_DSL_ARCH is set)
+    args = parse_export_args(__doc__, ARCHES, "comma-separated subset, e.g. bf16_128 (development aid)", argv)
+    import cutlass
 
-    os.makedirs(args.out, exist_ok=True)
     only = {s for s in args.only.split(",") if s}
+    tag = _arch_tag(args.arch)
     rows = {False: [], True: []}
+    variants = []
     for has_segments in (False, True):
         for dtype_tag, dtype_name, jf_dtype in DTYPES:
             for head_dim in HEAD_DIMS:
                 if only and f"{dtype_tag}_{head_dim}" not in only:
                     continue
                 name = variant_name(args.arch, dtype_tag, head_dim, has_segments)
-                t0 = time.perf_counter()
-                compiled = _compile_variant(getattr(cutlass, dtype_name), head_dim, args.arch, has_segments)
-                compiled.export_to_c(file_path=args.out, file_name=name, function_prefix=name)
-                print(f"{name}: compiled and exported in {time.perf_counter() - t0:.1f} s", flush=True)
-                rows[has_segments].append((name, jf_dtype, head_dim))
+                dtype = getattr(cutlass, dtype_name)
+                variants.append((name, lambda d=dtype, h=head_dim, s=has_segments: _compile_variant(d, h, args.arch, s)))
+                rows[has_segments].append(f"{tag}, {jf_dtype}, {head_dim}, {name}")
 
-    tag = _arch_tag(args.arch)
-    header = os.path.join(args.out, f"bwd_sm80_variants_{args.arch}.h")
-    with open(header, "w") as f:
-        guard = f"JAX_FLASH_BWD_SM80_VARIANTS_{tag.upper()}_H_"
-        f.write(f"// Generated by cuda_src/bwd_sm80/export.py --arch {args.arch}. Do not edit.\n")
-        f.write(f"#ifndef {guard}\n#define {guard}\n\n")
-        for name, _, _ in rows[False] + rows[True]:
-            f.write(f'#include "{name}.h"\n')
-        for has_segments, macro in ((False, "VARIANTS"), (True, "SEG_VARIANTS")):
-            kind = "packed-document (has_segments)" if has_segments else "plain"
-            f.write(f"\n// X(arch tag, JfDtype, head_dim, prefix), {kind}\n")
-            f.write(f"#define JF_BWD_SM80_{macro}_{tag.upper()}(X)")
-            for name, jf_dtype, head_dim in rows[has_segments]:
-                f.write(f" \\\n  X({tag}, {jf_dtype}, {head_dim}, {name})")
-            f.write("\n")
-        f.write(f"\n#endif  // {guard}\n")
-    print(f"wrote {header}")
+    names = export_variants(args.out, variants)
+    write_variants_header(
+        os.path.join(args.out, f"bwd_sm80_variants_{args.arch}.h"),
+        generator=f"cuda_src/bwd_sm80/export.py --arch {args.arch}",
+        guard=f"JAX_FLASH_BWD_SM80_VARIANTS_{tag.upper()}_H_",
+        include_names=names,
+        macros=[
+            (f"X(arch tag, JfDtype, head_dim, prefix), {kind}", f"JF_BWD_SM80_{macro}_{tag.upper()}", rows[has_segments])
+            for has_segments, macro, kind in (
+                (False, "VARIANTS", "plain"),
+                (True, "SEG_VARIANTS", "packed-document (has_segments)"),
+            )
+        ],
+    )
 
 
 if __name__ == "__main__":

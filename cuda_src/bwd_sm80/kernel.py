@@ -29,13 +29,19 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp
-from cutlass.cutlass_dsl import dsl_user_op
+
+from common.dsl_common import (
+    WARP_SIZE,
+    m16n8_acc_as_rows_cols,
+    red_add_v2_f32,
+    segment_bounds_union,
+    store_existing_rows,
+    zero_outside_key_window,
+)
 
 LOG2E = math.log2(math.e)
 NUM_THREADS = 256  # 8 warps
-INT32_MAX = 2**31 - 1
 SMEM_CAPACITY_SM80 = 163 * 1024
 
 
@@ -175,7 +181,7 @@ class FlashBwdSm80:
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
             # Per-warp partial (min first, max last) of the keys' q_bounds.
-            sSegRange: cute.struct.MemRange[Int32, 2 * (NUM_THREADS // 32)]
+            sSegRange: cute.struct.MemRange[Int32, 2 * (NUM_THREADS // WARP_SIZE)]
 
         # 16-byte cp.async rows for Q/K/V/dO, 4-byte ones for lse/delta.
         vec = 128 // self.dtype.width
@@ -235,9 +241,9 @@ class FlashBwdSm80:
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         if cutlass.const_expr(self.has_segments):
-            seg_begin, seg_end = self._q_bounds_union(
-                mQBounds, storage.sSegRange.get_tensor(cute.make_layout(2 * (NUM_THREADS // 32))),
-                batch, n0, n_last, tidx,
+            seg_begin, seg_end = segment_bounds_union(
+                mQBounds, storage.sSegRange.get_tensor(cute.make_layout(2 * (NUM_THREADS // WARP_SIZE))),
+                batch, n0, n_last, tidx, self.n_block, NUM_THREADS // WARP_SIZE,
             )
             row_begin = cutlass.max(row_begin, seg_begin)
             row_end = cutlass.min(row_end, seg_end)
@@ -311,7 +317,7 @@ class FlashBwdSm80:
         tdSsdS = r2s_PdS.get_slice(tidx).partition_D(sdS)
 
         # Coordinates of this thread's S/dP and dQ accumulator elements.
-        tScS = self._acc_mn(thr_sdp.partition_C(cute.make_identity_tensor((M, N))))
+        tScS = m16n8_acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((M, N))))
         tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((M, D)))
         # Segment ids of this thread's S columns (fixed for the CTA) and rows.
         num_rows = cute.size(tScS, mode=[0])
@@ -361,7 +367,7 @@ class FlashBwdSm80:
             acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((M, N)), Float32)
             acc_S.fill(0.0)
             self._gemm(mma_sdp, acc_S, tSrQ, tSrK, tSsQ[None, None, None, stage], tSsK, s2r_sdp_A, s2r_sdp_B, tidx)
-            acc_S_mn = self._acc_mn(acc_S)
+            acc_S_mn = m16n8_acc_as_rows_cols(acc_S)
             for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                 row = tScS[r, 0][0]
                 lse = sLSE[row, stage]
@@ -379,15 +385,15 @@ class FlashBwdSm80:
                 and (n0 + N - 1) - m0 <= hi
             )
             if cutlass.const_expr(self.has_segments):
-                self._apply_mask(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi, row_seg, col_seg)
+                zero_outside_key_window(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi, row_seg, col_seg)
             elif not full_tile:
-                self._apply_mask(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi)
+                zero_outside_key_window(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi)
 
             # dP = dO V^T, then dS = P * (dP - delta) in place.
             acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((M, N)), Float32)
             acc_dP.fill(0.0)
             self._gemm(mma_sdp, acc_dP, tdPrdO, tdPrV, tdPsdO[None, None, None, stage], tdPsV, s2r_sdp_A, s2r_sdp_B, tidx)
-            acc_dP_mn = self._acc_mn(acc_dP)
+            acc_dP_mn = m16n8_acc_as_rows_cols(acc_dP)
             for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
                 delta = sDelta[tScS[r, 0][0], stage]
                 acc_dP_mn[r, None].store(acc_S_mn[r, None].load() * (acc_dP_mn[r, None].load() - delta))
@@ -415,7 +421,7 @@ class FlashBwdSm80:
                 if tdQcdQ[i][0] < rows_left:
                     ptr = tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout)
                     if cutlass.const_expr(width == 2):
-                        _red_add_v2_f32(ptr, acc_dQ[i] * scale, acc_dQ[i + 1] * scale)
+                        red_add_v2_f32(ptr, acc_dQ[i] * scale, acc_dQ[i + 1] * scale)
                     else:
                         cute.arch.atomic_add(ptr, acc_dQ[i] * scale)
             # Next iteration overwrites sP/sdS and the stage read here.
@@ -429,84 +435,15 @@ class FlashBwdSm80:
         self._acc_to_smem(acc_dK, sK, r2s_dkv, tidx)
         self._acc_to_smem(acc_dV, sV, r2s_dkv, tidx)
         cute.arch.barrier()
-        self._store_rows(gmem_store_tile, sK, mdK[batch, None, kv_head, None], n_block, seqlen_k, tidx)
-        self._store_rows(gmem_store_tile, sV, mdV[batch, None, kv_head, None], n_block, seqlen_k, tidx)
+        store_existing_rows(gmem_store_tile, sK, mdK[batch, None, kv_head, None], n_block, seqlen_k, tidx, N, D, self.dtype)
+        store_existing_rows(gmem_store_tile, sV, mdV[batch, None, kv_head, None], n_block, seqlen_k, tidx, N, D, self.dtype)
 
     # -------------------------------------------------------------- helpers
-    @staticmethod
-    def _acc_mn(t: cute.Tensor) -> cute.Tensor:
-        """View an m16n8 accumulator ((2, 2), MMA_M, MMA_N) as (rows, cols)."""
-        sh, st = t.layout.shape, t.layout.stride
-        return cute.make_tensor(
-            t.iterator,
-            cute.make_layout(((sh[0][1], sh[1]), (sh[0][0], sh[2])), stride=((st[0][1], st[1]), (st[0][0], st[2]))),
-        )
-
     @cute.jit
     def _acc_to_smem(self, acc, sX, r2s, tidx):
         r_out = cute.make_fragment_like(acc, self.dtype)
         r_out.store(acc.load().to(self.dtype))
         cute.copy(r2s, r2s.get_slice(tidx).retile(r_out), r2s.get_slice(tidx).partition_D(sX))
-
-    @cute.jit
-    def _store_rows(self, tiled_copy, sX, mX, block, seqlen, tidx):
-        """Store an (n_block, D) shared tile to rows of a [seqlen, D] tensor that exist."""
-        N = self.n_block
-        thr = tiled_copy.get_slice(tidx)
-        tXsX = thr.partition_S(sX)
-        tXgX = thr.partition_D(cute.local_tile(mX, (N, self.head_dim), (block, 0)))
-        tXcX = thr.partition_S(cute.make_identity_tensor((N, self.head_dim)))
-        tXrX = cute.make_fragment_like(tXsX, self.dtype)
-        cute.autovec_copy(tXsX, tXrX)
-        rows_left = seqlen - block * N
-        for m in cutlass.range_constexpr(cute.size(tXgX.shape[1])):
-            if tXcX[0, m, 0][0] < rows_left:
-                cute.copy(tiled_copy, tXrX[None, m, None], tXgX[None, m, None])
-
-    @cute.jit
-    def _q_bounds_union(self, mQBounds, sSegRange, batch, n0, n_last, tidx):
-        """[min first, max last) of q_bounds over keys [n0, n_last]; keys with
-        empty bounds are seen by no query and add nothing. Every thread gets
-        the result (n_block <= NUM_THREADS, so one key per thread suffices)."""
-        first = Int32(INT32_MAX)
-        last = Int32(0)
-        key = n0 + tidx
-        if tidx < self.n_block and key <= n_last:
-            b0 = mQBounds[batch, key, 0]
-            b1 = mQBounds[batch, key, 1]
-            if b1 > b0:
-                first = b0
-                last = b1
-        for i in cutlass.range_constexpr(5):
-            offset = 16 >> i
-            first = cutlass.min(first, cute.arch.shuffle_sync_bfly(first, offset=offset))
-            last = cutlass.max(last, cute.arch.shuffle_sync_bfly(last, offset=offset))
-        warp_idx = tidx // 32
-        if tidx % 32 == 0:
-            sSegRange[2 * warp_idx] = first
-            sSegRange[2 * warp_idx + 1] = last
-        cute.arch.barrier()
-        for w in cutlass.range_constexpr(NUM_THREADS // 32):
-            first = cutlass.min(first, sSegRange[2 * w])
-            last = cutlass.max(last, sSegRange[2 * w + 1])
-        return first, last
-
-    @cute.jit
-    def _apply_mask(self, acc_mn, tScS, m0, n0, q_len, kv_len, lo, hi, row_seg=None, col_seg=None):
-        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            row = m0 + tScS[r, 0][0]
-            # Visible keys of this row, as tile-local columns [col_lo, col_hi).
-            col_lo = row + lo - n0
-            col_hi = cutlass.min(kv_len, row + hi + 1) - n0
-            if row >= q_len:
-                col_hi = Int32(0)
-            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                col = tScS[r, c][1]
-                if cutlass.const_expr(row_seg is not None):
-                    if col < col_lo or col >= col_hi or row_seg[r] != col_seg[c]:
-                        acc_mn[r, c] = Float32(0.0)
-                elif col < col_lo or col >= col_hi:
-                    acc_mn[r, c] = Float32(0.0)
 
     @cute.jit
     def _gemm(self, tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, s2r_A, s2r_B, tidx):
@@ -569,16 +506,3 @@ class FlashBwdSm80:
                 sLSE[tidx, stage] = Float32.inf
                 sDelta[tidx, stage] = Float32(0.0)
 
-
-@dsl_user_op
-def _red_add_v2_f32(ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
-    """Fire-and-forget fp32x2 reduction into global memory (sm_90+, 8-byte aligned)."""
-    llvm.inline_asm(
-        None,
-        [ptr.toint(loc=loc, ip=ip).ir_value(), Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-        "red.global.add.v2.f32 [$0], {$1, $2};",
-        "l,f,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )

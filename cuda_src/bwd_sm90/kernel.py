@@ -31,10 +31,10 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.utils import LayoutEnum
+
+from common.dsl_common import red_add_v2_f32, store_existing_rows, zero_outside_key_window
 
 LOG2E = math.log2(math.e)
 WG_THREADS = 128
@@ -416,7 +416,7 @@ class FlashBwdSm90:
                 and (n0 + N - 1) - m0 <= hi
             )
             if not full_tile:
-                self._apply_mask(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi)
+                zero_outside_key_window(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi)
             rP = cute.make_fragment_like(acc_S, self.dtype)
             rP.store(acc_S.load().to(self.dtype))
             cute.copy(r2s_sdp, thr_r2s.retile(rP), tPsP[None, None, None, s])
@@ -448,7 +448,7 @@ class FlashBwdSm90:
             for i in cutlass.range_constexpr(0, cute.size(acc_dQ), 2):
                 if tdQcdQ[i][0] < rows_left:
                     ptr = tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout)
-                    _red_add_v2_f32(ptr, acc_dQ[i] * scale, acc_dQ[i + 1] * scale)
+                    red_add_v2_f32(ptr, acc_dQ[i] * scale, acc_dQ[i + 1] * scale)
             warpgroup.wait_group(0)
             pipe.consumer_release(state)
             state.advance()
@@ -465,8 +465,8 @@ class FlashBwdSm90:
         rdV.store(acc_dV.load().to(self.dtype))
         cute.copy(r2s_dkv, thr_r2s_dkv.retile(rdV), thr_r2s_dkv.partition_D(sV)[None, None, None, 0])
         cute.arch.barrier(barrier_id=BAR_EPI, number_of_threads=NUM_MMA_THREADS)
-        self._store_rows(gmem_store_tile, sK[None, None, 0], mdK[batch, None, kv_head, None], n_block, seqlen_k, tidx)
-        self._store_rows(gmem_store_tile, sV[None, None, 0], mdV[batch, None, kv_head, None], n_block, seqlen_k, tidx)
+        store_existing_rows(gmem_store_tile, sK[None, None, 0], mdK[batch, None, kv_head, None], n_block, seqlen_k, tidx, N, D, self.dtype)
+        store_existing_rows(gmem_store_tile, sV[None, None, 0], mdV[batch, None, kv_head, None], n_block, seqlen_k, tidx, N, D, self.dtype)
 
     # -------------------------------------------------------------- helpers
     @cute.jit
@@ -477,35 +477,6 @@ class FlashBwdSm90:
             tiled_mma.set(warpgroup.Field.ACCUMULATE, not zero_init or k != 0)
             cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
         warpgroup.commit_group()
-
-    @cute.jit
-    def _apply_mask(self, acc_mn, tScS, m0, n0, q_len, kv_len, lo, hi):
-        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            row = m0 + tScS[r, 0][0]
-            # Visible keys of this row, as tile-local columns [col_lo, col_hi).
-            col_lo = row + lo - n0
-            col_hi = cutlass.min(kv_len, row + hi + 1) - n0
-            if row >= q_len:
-                col_hi = Int32(0)
-            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                col = tScS[r, c][1]
-                if col < col_lo or col >= col_hi:
-                    acc_mn[r, c] = Float32(0.0)
-
-    @cute.jit
-    def _store_rows(self, tiled_copy, sX, mX, block, seqlen, tidx):
-        """Store an (n_block, D) shared tile to the rows of a [seqlen, D] tensor that exist."""
-        N = self.n_block
-        thr = tiled_copy.get_slice(tidx)
-        tXsX = thr.partition_S(sX)
-        tXgX = thr.partition_D(cute.local_tile(mX, (N, self.head_dim), (block, 0)))
-        tXcX = thr.partition_S(cute.make_identity_tensor((N, self.head_dim)))
-        tXrX = cute.make_fragment_like(tXsX, self.dtype)
-        cute.autovec_copy(tXsX, tXrX)
-        rows_left = seqlen - block * N
-        for m in cutlass.range_constexpr(cute.size(tXgX.shape[1])):
-            if tXcX[0, m, 0][0] < rows_left:
-                cute.copy(tiled_copy, tXrX[None, m, None], tXgX[None, m, None])
 
 
 def _transpose(t: cute.Tensor) -> cute.Tensor:
@@ -525,16 +496,3 @@ def _acc_mn(t: cute.Tensor) -> cute.Tensor:
         ),
     )
 
-
-@dsl_user_op
-def _red_add_v2_f32(ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
-    """Fire-and-forget fp32x2 reduction into global memory (8-byte aligned)."""
-    llvm.inline_asm(
-        None,
-        [ptr.toint(loc=loc, ip=ip).ir_value(), Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-        "red.global.add.v2.f32 [$0], {$1, $2};",
-        "l,f,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )

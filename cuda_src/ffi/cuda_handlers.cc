@@ -3,10 +3,17 @@
 // ctypes and registers the exported symbols below.
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdint>
+
 #include "attention_ffi.h"
 
 namespace jax_flash {
 namespace {
+
+// Counts handler executions. When XLA replays a recorded CUDA graph it does
+// not call the handler, which is how tests/test_cuda_graphs.py sees capture.
+std::atomic<int64_t> g_handler_calls{0};
 
 // The newest kernels that serve the problem: sm90 on Hopper when built and
 // able, else the sm80 family (which runs on every GPU from Ampere on).
@@ -34,6 +41,7 @@ ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                   ffi::Result<ffi::AnyBuffer> o,
                    ffi::Result<ffi::AnyBuffer> lse, float scale, int32_t diag_offset,
                    int32_t window_left, int32_t window_right) {
+  g_handler_calls.fetch_add(1, std::memory_order_relaxed);
   auto launch = [stream](const JfFwdArgs& args) {
     return CallKernel(
         [&](char* err, size_t n) { return LaunchForward(args, stream, err, n); });
@@ -50,6 +58,7 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                   ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> dk,
                    ffi::Result<ffi::AnyBuffer> dv, float scale, int32_t diag_offset,
                    int32_t window_left, int32_t window_right) {
+  g_handler_calls.fetch_add(1, std::memory_order_relaxed);
   auto launch = [stream](const JfBwdArgs& args) {
     return CallKernel(
         [&](char* err, size_t n) { return LaunchBackward(args, stream, err, n); });
@@ -62,13 +71,20 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 }  // namespace
 }  // namespace jax_flash
 
-// Not declared command-buffer (CUDA graph) compatible: capture has not been
-// shown to work yet (see the README).
+extern "C" int64_t JaxFlashCudaHandlerCalls() {
+  return jax_flash::g_handler_calls.load(std::memory_order_relaxed);
+}
+
+// Command-buffer (CUDA graph) compatible: the handlers only enqueue kernels
+// and memsets on XLA's stream; tests/test_cuda_graphs.py checks that XLA
+// replays them from a graph and that the results do not change.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFlashFwdCuda, jax_flash::FwdCuda,
     jax_flash::BindForward(
-        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFlashBwdCuda, jax_flash::BwdCuda,
     jax_flash::BindBackward(
-        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});

@@ -15,25 +15,24 @@ ordinary Float32/Int32 parameters: export_to_c passes them by value in the
 generated `cute_dsl_<prefix>_wrapper`.
 """
 
-import argparse
 import os
+import pathlib
 import sys
-import time
+
+# Run as a script: make cuda_src/common importable here and in kernel.py.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from common.export_common import (  # noqa: E402
+    SCALAR_ALIGN,
+    FakeProblem,
+    export_variants,
+    parse_export_args,
+    write_variants_header,
+)
 
 ARCHES = ("sm_80", "sm_90a")
 HEAD_DIMS = (64, 96, 128, 192, 256)
 DTYPES = (("fp16", "JF_FLOAT16", "Float16"), ("bf16", "JF_BFLOAT16", "BFloat16"))
-
-
-def _parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", required=True, choices=ARCHES)
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument(
-        "--only", default=None,
-        help="comma list of variant names to build (debugging); default all",
-    )
-    return parser.parse_args()
 
 
 def variant_name(arch: str, dtype_tag: str, head_dim: int, has_segments: bool) -> str:
@@ -41,58 +40,32 @@ def variant_name(arch: str, dtype_tag: str, head_dim: int, has_segments: bool) -
     return f"jf_{family}_{arch}_{dtype_tag}_hd{head_dim}"
 
 
-def _fake_args(cutlass, cute, dtype, head_dim, has_segments):
-    """Fake tensors whose dynamic extents are tied together by shared SymInts."""
-    from cutlass.cute.runtime import make_fake_compact_tensor
+def _fake_args(dtype, head_dim, has_segments):
+    import cutlass
 
-    batch, seqlen_q, seqlen_k = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    heads_q, heads_kv = cute.sym_int(), cute.sym_int()
-    # Row-major [B, T, N, H]: the last mode is the fastest (stride order 3..0).
-    row_major_4d = (3, 2, 1, 0)
-
-    def bthd(seq, heads):
-        return make_fake_compact_tensor(
-            dtype, (batch, seq, heads, head_dim), stride_order=row_major_4d, assumed_align=16
-        )
-
-    q = bthd(seqlen_q, heads_q)
-    k = bthd(seqlen_k, heads_kv)
-    v = bthd(seqlen_k, heads_kv)
-    o = bthd(seqlen_q, heads_q)
-    lse = make_fake_compact_tensor(
-        cutlass.Float32, (batch, heads_q, seqlen_q), stride_order=(2, 1, 0), assumed_align=4
-    )
-    q_lens = make_fake_compact_tensor(cutlass.Int32, (batch,), assumed_align=4)
-    kv_lens = make_fake_compact_tensor(cutlass.Int32, (batch,), assumed_align=4)
+    fake = FakeProblem(head_dim)
+    q = fake.bthd(dtype, fake.seqlen_q, fake.heads_q)
+    k = fake.bthd(dtype, fake.seqlen_k, fake.heads_kv)
+    v = fake.bthd(dtype, fake.seqlen_k, fake.heads_kv)
+    o = fake.bthd(dtype, fake.seqlen_q, fake.heads_q)
+    lse = fake.per_head_row(assumed_align=SCALAR_ALIGN)
     scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(-1), cutlass.Int32(-1))
-    args = (q, k, v, o, lse, q_lens, kv_lens, *scalars, cutlass.runtime.make_fake_stream())
+    args = (q, k, v, o, lse, fake.lens(), fake.lens(), *scalars, cutlass.runtime.make_fake_stream())
     if not has_segments:
         return args
-    q_seg = make_fake_compact_tensor(
-        cutlass.Int32, (batch, seqlen_q), stride_order=(1, 0), assumed_align=4
-    )
-    kv_seg = make_fake_compact_tensor(
-        cutlass.Int32, (batch, seqlen_k), stride_order=(1, 0), assumed_align=4
-    )
-    kv_bounds = make_fake_compact_tensor(
-        cutlass.Int32, (batch, seqlen_q, 2), stride_order=(2, 1, 0), assumed_align=4
-    )
-    return (*args, q_seg, kv_seg, kv_bounds)
+    kv_bounds = fake.segment_bounds(fake.seqlen_q)
+    return (*args, fake.segment_ids(fake.seqlen_q), fake.segment_ids(fake.seqlen_k), kv_bounds)
 
 
 def main():
-    args = _parse_args()
-    # The DSL picks its target when cutlass is first imported; on a machine
-    # without a GPU it would otherwise default to sm_100a.
-    os.environ["CUTE_DSL_ARCH"] = args.arch
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    args = parse_export_args(__doc__, ARCHES, "comma list of variant names to build (debugging); default all")
     import cutlass
     import cutlass.cute as cute
     from kernel import FlashFwdSm80
 
-    os.makedirs(args.out, exist_ok=True)
     only = set(args.only.split(",")) if args.only else None
     built = {False: [], True: []}
+    variants = []
     for has_segments in (False, True):
         for dtype_tag, enum_name, cutlass_name in DTYPES:
             dtype = getattr(cutlass, cutlass_name)
@@ -100,34 +73,23 @@ def main():
                 name = variant_name(args.arch, dtype_tag, head_dim, has_segments)
                 if only is not None and name not in only:
                     continue
-                start = time.perf_counter()
-                compiled = cute.compile(
-                    FlashFwdSm80(dtype, head_dim, has_segments),
-                    *_fake_args(cutlass, cute, dtype, head_dim, has_segments),
-                )
-                compiled.export_to_c(file_path=args.out, file_name=name, function_prefix=name)
-                print(f"{name}: {time.perf_counter() - start:.1f} s", flush=True)
-                built[has_segments].append((enum_name, head_dim, name))
+                variants.append((name, lambda d=dtype, h=head_dim, s=has_segments: cute.compile(
+                    FlashFwdSm80(d, h, s), *_fake_args(d, h, s))))
+                built[has_segments].append(f"{args.arch}, {enum_name}, {head_dim}, {name}")
 
+    names = export_variants(args.out, variants)
     arch_macro = args.arch.upper()
-    header = os.path.join(args.out, f"fwd_sm80_variants_{args.arch}.h")
-    lines = [
-        "// Generated by cuda_src/fwd_sm80/export.py; do not edit.",
-        "#pragma once",
-        *(f'#include "{name}.h"' for _, _, name in built[False] + built[True]),
-    ]
-    for has_segments, macro in ((False, "VARIANTS"), (True, "SEG_VARIANTS")):
-        kind = "packed-document" if has_segments else "plain"
-        lines += [
-            "",
-            f"// X(arch, JfDtype, head_dim, prefix) for every exported {args.arch} {kind} variant.",
-            f"#define JF_FWD_SM80_{macro}_{arch_macro}(X) \\",
-            *(f"  X({args.arch}, {enum}, {hd}, {name}) \\" for enum, hd, name in built[has_segments]),
-            "",
-        ]
-    with open(header, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {header}")
+    write_variants_header(
+        os.path.join(args.out, f"fwd_sm80_variants_{args.arch}.h"),
+        generator="cuda_src/fwd_sm80/export.py",
+        guard=f"JAX_FLASH_FWD_SM80_VARIANTS_{arch_macro}_H_",
+        include_names=names,
+        macros=[
+            (f"X(arch, JfDtype, head_dim, prefix) for every exported {args.arch} {kind} variant.",
+             f"JF_FWD_SM80_{macro}_{arch_macro}", built[has_segments])
+            for has_segments, macro, kind in ((False, "VARIANTS", "plain"), (True, "SEG_VARIANTS", "packed-document"))
+        ],
+    )
 
 
 if __name__ == "__main__":

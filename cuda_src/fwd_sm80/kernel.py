@@ -26,10 +26,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
+from common.dsl_common import INT32_MAX, m16n8_acc_as_rows_cols, segment_bounds_union
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 COPY_BITS = 128  # one cp.async / one vector store moves 16 bytes per thread
-INT32_MAX = 2**31 - 1
 # (tile_m, tile_n, warps) per head dim. All warps split the query rows, so a
 # warp owns tile_m / warps rows of S and O.
 #  64: S is small next to the memory traffic, so a wide 128x128 tile halves
@@ -228,9 +229,9 @@ class FlashFwdSm80:
             col_end = cutlass.min(last_row + diag_offset + window_right + 1, kv_len)
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
         if cutlass.const_expr(self.has_segments):
-            seg_begin, seg_end = self._kv_bounds_union(
+            seg_begin, seg_end = segment_bounds_union(
                 mKVBounds, storage.sSegRange.get_tensor(cute.make_layout(2 * self.num_warps)),
-                batch, m_start, last_row, tidx,
+                batch, m_start, last_row, tidx, self.tile_m, self.num_warps,
             )
             col_begin = cutlass.max(col_begin, seg_begin)
             col_end = cutlass.min(col_end, seg_end)
@@ -305,7 +306,7 @@ class FlashFwdSm80:
         tOrVt_view = smem_thr_copy_V.retile(tOrVt)
 
         # (row, col) of each S accumulator element inside its (tile_m, tile_n) tile.
-        tScS = self._mn_view(
+        tScS = m16n8_acc_as_rows_cols(
             thr_mma.partition_C(cute.make_identity_tensor((tile_m, tile_n)))
         )
         num_rows = cute.size(tScS, mode=[0])
@@ -355,7 +356,7 @@ class FlashFwdSm80:
                 smem_tiled_copy_Q, tSsQ, tSrQ_view,
                 smem_tiled_copy_K, tSsK, tSrK_view,
             )
-            acc_S_mn = self._mn_view(acc_S)
+            acc_S_mn = m16n8_acc_as_rows_cols(acc_S)
             if cutlass.const_expr(self.has_segments):
                 self._apply_mask(
                     acc_S_mn, tScS, m_start, n_block * tile_n, kv_len,
@@ -375,7 +376,7 @@ class FlashFwdSm80:
                 )
                 cute.arch.cp_async_commit_group()
 
-            self._online_softmax(acc_S_mn, self._mn_view(acc_O), row_max, row_sum, scale_log2)
+            self._online_softmax(acc_S_mn, m16n8_acc_as_rows_cols(acc_O), row_max, row_sum, scale_log2)
 
             rP = cute.make_fragment_like(acc_S, self.dtype)
             rP.store(acc_S.load().to(self.dtype))
@@ -383,7 +384,7 @@ class FlashFwdSm80:
             self._gemm_rP(tiled_mma, acc_O, tOrP, tOrVt, smem_tiled_copy_V, tOsVt, tOrVt_view)
 
         # ---- epilogue: normalise, write LSE and O --------------------------
-        acc_O_mn = self._mn_view(acc_O)
+        acc_O_mn = m16n8_acc_as_rows_cols(acc_O)
         lane = tidx % 32
         for r in cutlass.range_constexpr(num_rows):
             total = self._quad_allreduce(row_sum[r], lambda a, b: a + b)
@@ -469,34 +470,6 @@ class FlashFwdSm80:
             cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
 
     @cute.jit
-    def _kv_bounds_union(self, mKVBounds, sSegRange, batch, m_start, last_row, tidx):
-        """[min first, max last) of kv_bounds over rows [m_start, last_row];
-        rows with empty bounds see no key and add nothing. Every thread gets
-        the result (tile_m <= num_threads, so one row per thread suffices)."""
-        first = cutlass.Int32(INT32_MAX)
-        last = cutlass.Int32(0)
-        row = m_start + tidx
-        if tidx < self.tile_m and row <= last_row:
-            b0 = mKVBounds[batch, row, 0]
-            b1 = mKVBounds[batch, row, 1]
-            if b1 > b0:
-                first = b0
-                last = b1
-        for i in cutlass.range_constexpr(5):
-            offset = 16 >> i
-            first = cutlass.min(first, cute.arch.shuffle_sync_bfly(first, offset=offset))
-            last = cutlass.max(last, cute.arch.shuffle_sync_bfly(last, offset=offset))
-        warp_idx = tidx // 32
-        if tidx % 32 == 0:
-            sSegRange[2 * warp_idx] = first
-            sSegRange[2 * warp_idx + 1] = last
-        cute.arch.barrier()
-        for w in cutlass.range_constexpr(self.num_warps):
-            first = cutlass.min(first, sSegRange[2 * w])
-            last = cutlass.max(last, sSegRange[2 * w + 1])
-        return first, last
-
-    @cute.jit
     def _apply_mask(
         self, acc_S_mn, tScS, m_start, n_start, kv_len,
         diag_offset, window_left, window_right, row_seg=None, col_seg=None,
@@ -552,16 +525,6 @@ class FlashFwdSm80:
         """Reduce over the 4 lanes that share an accumulator row."""
         value = op(value, cute.arch.shuffle_sync_bfly(value, offset=2))
         return op(value, cute.arch.shuffle_sync_bfly(value, offset=1))
-
-    @staticmethod
-    def _mn_view(acc: cute.Tensor) -> cute.Tensor:
-        """View an m16n8 accumulator fragment ((2 cols, 2 rows), M, N) as (rows, cols)."""
-        shape, stride = acc.layout.shape, acc.layout.stride
-        mn = cute.make_layout(
-            ((shape[0][1], shape[1]), (shape[0][0], shape[2])),
-            stride=((stride[0][1], stride[1]), (stride[0][0], stride[2])),
-        )
-        return cute.make_tensor(acc.iterator, mn)
 
     @staticmethod
     def _acc_as_operand_a(layout):

@@ -18,94 +18,35 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
-#include <cstdarg>
 #include <cstdint>
-#include <cstdio>
-#include <mutex>
 
 #include "jax_flash/kernel_api.h"
-
-// The generated module loaders report failures through this macro; record
-// the first failure instead of printing it so that the launcher can return it.
-namespace {
-thread_local cudaError_t g_module_load_error = cudaSuccess;
-inline void RecordLoadError(cudaError_t err) {
-  if (err != cudaSuccess && g_module_load_error == cudaSuccess) {
-    g_module_load_error = err;
-  }
-}
-}  // namespace
-#define CUTE_DSL_CUDA_ERROR_CHECK(err) RecordLoadError(err)
-
+#include "launch_common.h"  // first: it sets up the module loaders' error hook
 #include "fwd_sm80_variants_sm_80.h"
 #include "fwd_sm80_variants_sm_90a.h"
 
 namespace {
 
-constexpr int kMaxDevices = 64;
+using jax_flash_launch::EnsureLoaded;
+using jax_flash_launch::Fail;
+using jax_flash_launch::LoadedModule;
+
 constexpr int kMaxGridYZ = 65535;  // grid = (query tiles, heads_q, batch)
 constexpr uintptr_t kOperandAlign = 16;  // kernels use 16-byte vector copies
 
-int Fail(char* err, size_t err_len, const char* fmt, ...) {
-  if (err != nullptr && err_len > 0) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, err_len, fmt, ap);
-    va_end(ap);
-  }
-  return 1;
-}
-
 enum class Arch { kUnknown = 0, kSm80 = 1, kSm90a = 2, kUnsupported = 3 };
 
-// Compute capability never changes for a device, so ask once per device.
 Arch DeviceArch(int device) {
-  static std::atomic<int> cache[kMaxDevices];
-  if (device >= 0 && device < kMaxDevices) {
-    int cached = cache[device].load(std::memory_order_relaxed);
-    if (cached != 0) return static_cast<Arch>(cached);
-  }
   int major = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) !=
-      cudaSuccess) {
-    return Arch::kUnknown;
-  }
+  if (jax_flash_launch::ComputeCapabilityMajor(device, &major) != cudaSuccess) return Arch::kUnknown;
   // Cubins run only within their major version: 8.x takes the sm_80 objects
   // (8.6/8.9 have 99 KiB of shared memory per block, too little for the
   // head-dim-256 tile, whose launch then fails with a CUDA error), 9.0 the
   // sm_90a objects; anything else has no kernel here.
-  Arch arch = major == 8 ? Arch::kSm80 : major == 9 ? Arch::kSm90a : Arch::kUnsupported;
-  if (device >= 0 && device < kMaxDevices) {
-    cache[device].store(static_cast<int>(arch), std::memory_order_relaxed);
-  }
-  return arch;
-}
-
-// One exported variant: its module is loaded on first use, once per process.
-template <typename Module>
-struct LoadedModule {
-  std::once_flag once;
-  Module module{};
-  cudaError_t status = cudaSuccess;
-};
-
-template <typename Module, typename LoadFn>
-cudaError_t EnsureLoaded(LoadedModule<Module>& m, LoadFn load) {
-  std::call_once(m.once, [&] {
-    g_module_load_error = cudaSuccess;
-    load(&m.module);
-    m.status = g_module_load_error;
-    if (m.status == cudaSuccess) m.status = cudaGetLastError();
-  });
-  return m.status;
+  return major == 8 ? Arch::kSm80 : major == 9 ? Arch::kSm90a : Arch::kUnsupported;
 }
 
 int64_t Prod(int64_t a, int64_t b, int64_t c = 1) { return a * b * c; }
-
-bool Misaligned(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) % kOperandAlign) != 0;
-}
 
 // Expands to one function per exported variant that fills the tensor
 // descriptors (only dynamic modes: shapes [B, T|S, N], strides [B, T|S] for
@@ -249,7 +190,7 @@ int Validate(const JfFwdArgs* args, char* err, size_t err_len) {
     if (op.ptr == nullptr) {
       return Fail(err, err_len, "jax_flash_fwd_sm80: %s is null", op.name);
     }
-    if (op.vector && Misaligned(op.ptr)) {
+    if (op.vector && !jax_flash_launch::IsAligned(op.ptr, kOperandAlign)) {
       return Fail(err, err_len, "jax_flash_fwd_sm80: %s must be %d-byte aligned", op.name,
                   static_cast<int>(kOperandAlign));
     }

@@ -1,0 +1,123 @@
+"""CuTe DSL helpers that more than one kernel family uses.
+
+Everything here is traced into the calling kernel (the DSL inlines @cute.jit
+calls), so a helper costs nothing at run time and keeps the callers' device
+code exactly what it was when each family carried its own copy.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
+
+INT32_MAX = 2**31 - 1
+WARP_SIZE = 32
+
+
+def m16n8_acc_as_rows_cols(acc: cute.Tensor) -> cute.Tensor:
+    """View an mma.sync m16n8 accumulator fragment ((2 cols, 2 rows), MMA_M,
+    MMA_N) as (rows, cols), so that masks and row reductions can index it by
+    the row and column they refer to."""
+    shape, stride = acc.layout.shape, acc.layout.stride
+    rows_cols = cute.make_layout(
+        ((shape[0][1], shape[1]), (shape[0][0], shape[2])),
+        stride=((stride[0][1], stride[1]), (stride[0][0], stride[2])),
+    )
+    return cute.make_tensor(acc.iterator, rows_cols)
+
+
+@cute.jit
+def segment_bounds_union(
+    mBounds: cute.Tensor,
+    sRange: cute.Tensor,
+    batch,
+    first_index,
+    last_index,
+    tidx,
+    tile_rows: cutlass.Constexpr,
+    num_warps: cutlass.Constexpr,
+):
+    """[min first, max last) of the per-row [first, last) ranges in
+    mBounds[batch, first_index .. last_index]. Rows with an empty range add
+    nothing. Each of the first tile_rows threads reads one row (so tile_rows
+    must not exceed the CTA's threads); warps reduce by shuffles, then through
+    sRange (2 Int32 per warp), so that every thread returns the union."""
+    first = Int32(INT32_MAX)
+    last = Int32(0)
+    row = first_index + tidx
+    if tidx < tile_rows and row <= last_index:
+        b0 = mBounds[batch, row, 0]
+        b1 = mBounds[batch, row, 1]
+        if b1 > b0:
+            first = b0
+            last = b1
+    for i in cutlass.range_constexpr(5):
+        offset = 16 >> i
+        first = cutlass.min(first, cute.arch.shuffle_sync_bfly(first, offset=offset))
+        last = cutlass.max(last, cute.arch.shuffle_sync_bfly(last, offset=offset))
+    warp_idx = tidx // WARP_SIZE
+    if tidx % WARP_SIZE == 0:
+        sRange[2 * warp_idx] = first
+        sRange[2 * warp_idx + 1] = last
+    cute.arch.barrier()
+    for w in cutlass.range_constexpr(num_warps):
+        first = cutlass.min(first, sRange[2 * w])
+        last = cutlass.max(last, sRange[2 * w + 1])
+    return first, last
+
+
+@cute.jit
+def zero_outside_key_window(acc_mn, tScS, m0, n0, q_len, kv_len, lo, hi, row_seg=None, col_seg=None):
+    """Zero the (rows, cols) accumulator entries whose (query i, key j) pair
+    is not visible: i >= q_len, j >= kv_len, j - i outside [lo, hi], or (when
+    row_seg / col_seg are given) different segment ids. The backward kernels
+    compute P and dS from these, so a hidden pair must contribute exactly 0."""
+    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        row = m0 + tScS[r, 0][0]
+        # Visible keys of this row, as tile-local columns [col_lo, col_hi).
+        col_lo = row + lo - n0
+        col_hi = cutlass.min(kv_len, row + hi + 1) - n0
+        if row >= q_len:
+            col_hi = Int32(0)
+        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+            col = tScS[r, c][1]
+            if cutlass.const_expr(row_seg is not None):
+                if col < col_lo or col >= col_hi or row_seg[r] != col_seg[c]:
+                    acc_mn[r, c] = Float32(0.0)
+            elif col < col_lo or col >= col_hi:
+                acc_mn[r, c] = Float32(0.0)
+
+
+@cute.jit
+def store_existing_rows(
+    tiled_copy, sX, mX, block, seqlen, tidx, rows: cutlass.Constexpr, head_dim: cutlass.Constexpr, dtype
+):
+    """Store a (rows, head_dim) shared tile to block `block` of a [seqlen,
+    head_dim] tensor, skipping the rows past seqlen (the tensor has no room
+    for them)."""
+    thr = tiled_copy.get_slice(tidx)
+    tXsX = thr.partition_S(sX)
+    tXgX = thr.partition_D(cute.local_tile(mX, (rows, head_dim), (block, 0)))
+    tXcX = thr.partition_S(cute.make_identity_tensor((rows, head_dim)))
+    tXrX = cute.make_fragment_like(tXsX, dtype)
+    cute.autovec_copy(tXsX, tXrX)
+    rows_left = seqlen - block * rows
+    for m in cutlass.range_constexpr(cute.size(tXgX.shape[1])):
+        if tXcX[0, m, 0][0] < rows_left:
+            cute.copy(tiled_copy, tXrX[None, m, None], tXgX[None, m, None])
+
+
+@dsl_user_op
+def red_add_v2_f32(ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
+    """Fire-and-forget fp32x2 reduction into global memory (8-byte aligned;
+    the vector form needs sm_90, the scalar halves are what sm_80 would use)."""
+    llvm.inline_asm(
+        None,
+        [ptr.toint(loc=loc, ip=ip).ir_value(), Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+        "red.global.add.v2.f32 [$0], {$1, $2};",
+        "l,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
