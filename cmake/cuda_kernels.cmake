@@ -20,7 +20,7 @@ endif()
 # Each kernel family (a folder of cuda_src with kernel.py, export.py and
 # launch.cc) and the architectures it is exported for. The sm80 family also
 # serves Hopper when the sm90 one declines a problem.
-set(JF_KERNEL_FAMILIES fwd_sm80 bwd_sm80 bwd_sm90 CACHE STRING
+set(JF_KERNEL_FAMILIES fwd_sm80 bwd_sm80 fwd_sm90 bwd_sm90 CACHE STRING
     "Kernel families to build (folders of cuda_src)")
 set(JF_FAMILY_ARCHS_fwd_sm90 sm_90a)
 set(JF_FAMILY_ARCHS_fwd_sm80 sm_80 sm_90a)

@@ -1,0 +1,643 @@
+"""FlashAttention forward kernel for Hopper (sm_90a) written in the CuTe DSL.
+
+One CTA computes one (128-row query tile, query head, batch) triple with three
+warpgroups. Warpgroup 0 is the producer: after giving most of its registers
+away (setmaxnreg) one of its warps streams Q once and then K/V tiles with TMA
+into multi-stage shared buffers guarded by mbarrier pipelines. Warpgroups 1
+and 2 are consumers; each owns 64 query rows, computes S = Q K^T and O += P V
+with asynchronous WGMMA, and keeps P in registers as the A operand of the PV
+GEMM. Within a consumer the softmax of tile j runs while the tensor cores
+work on P(j-1) V(j-1) (intra-warpgroup overlap); optionally two named
+barriers make the consumers take turns issuing GEMMs so that one warpgroup's
+softmax hides under the other's MMAs (pingpong).
+
+KV tiles are walked from the last visible one down to the first; tiles the
+mask excludes are never loaded, and only tiles that straddle a mask edge pay
+for the per-element mask. Query tiles are launched longest first, which
+shortens the tail of a causal grid.
+
+Mask (kernel_api.h): row i sees column j iff i < q_len, j < kv_len,
+j >= i + diag_offset - window_left (window_left >= 0) and
+j <= i + diag_offset + window_right (window_right >= 0).
+"""
+
+import math
+from typing import Type
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+WG_THREADS = 128  # one warpgroup
+WG_ROWS = 64  # rows of one WGMMA accumulator (m64nNk16)
+NUM_CONSUMERS = 2
+TILE_M = WG_ROWS * NUM_CONSUMERS
+# setmaxnreg only moves registers inside the CTA's launch allocation, which
+# ptxas caps at 168 per thread for 384 threads: 128 * 24 + 256 * 240 ==
+# 168 * 384. Asking for more makes the consumers' increase wait forever.
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
+SMEM_BUDGET = 227 * 1024
+# FA4's conditional rescaling: O and the row sum are only rescaled when the
+# running row max grows by more than this many powers of two; until then P is
+# computed against the stale max, so its entries stay <= 2^8 (exact in fp32,
+# no overflow in fp16/bf16) and the final 1/rowsum removes the offset.
+RESCALE_THRESHOLD_LOG2 = 8.0
+# Named barriers (0 is __syncthreads): two for the consumer pingpong, one per
+# consumer for its epilogue.
+BAR_PINGPONG = 1
+BAR_EPILOGUE = 3
+
+# head_dim -> (tile_n, kv_stages). Consumers hold S (tile_n / 2 fp32), P
+# (tile_n / 4 packed regs) and O (head_dim / 2 fp32) per thread; with 240
+# registers that allows tile_n 128 up to head_dim 128 and 64 beyond. Shared
+# memory: Q (128 x hd) + stages x (K + V) (tile_n x hd each) must fit 227 KiB.
+# Not yet justified by timings (no correct H100 run so far); the budgets were
+# checked with ptxas -v: 168 launch registers and no spills for every entry,
+# while hd128 with tile_n 176 spills 208 bytes and hd192 (K = 6 k-slices in
+# the PV GEMM) gets compiler-inserted warpgroup.arrive waits.
+TILE_CONFIG = {
+    64: (128, 4),
+    96: (128, 3),
+    128: (128, 2),
+    192: (96, 2),
+    256: (64, 2),
+}
+
+
+class FlashFwdSm90:
+    """Forward attention for one dtype and head dim (head_dim_v == head_dim)."""
+
+    def __init__(
+        self,
+        dtype: Type[cutlass.Numeric],
+        head_dim: int,
+        conditional_rescale: bool = True,
+        pingpong: bool = True,
+        tile_n: int = None,
+        kv_stages: int = None,
+    ):
+        if not self.can_implement(dtype, head_dim):
+            raise ValueError(
+                f"FlashFwdSm90: unsupported dtype={dtype} head_dim={head_dim}; "
+                f"expected Float16/BFloat16 and head_dim in {sorted(TILE_CONFIG)}"
+            )
+        self.dtype = dtype
+        self.head_dim = head_dim
+        default_n, default_stages = TILE_CONFIG[head_dim]
+        self.tile_n = tile_n or default_n
+        self.kv_stages = kv_stages or default_stages
+        self.conditional_rescale = conditional_rescale
+        self.pingpong = pingpong
+        elem = dtype.width // 8
+        smem = (TILE_M + 2 * self.kv_stages * self.tile_n) * head_dim * elem + 1024
+        if smem > SMEM_BUDGET:
+            raise ValueError(
+                f"FlashFwdSm90: tile_n={self.tile_n} x {self.kv_stages} stages needs "
+                f"{smem} bytes of shared memory, more than {SMEM_BUDGET}"
+            )
+
+    @staticmethod
+    def can_implement(dtype: Type[cutlass.Numeric], head_dim: int) -> bool:
+        return dtype in (cutlass.Float16, cutlass.BFloat16) and head_dim in TILE_CONFIG
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [B, T, Nq, H]
+        mK: cute.Tensor,  # [B, S, Nkv, H]
+        mV: cute.Tensor,  # [B, S, Nkv, H]
+        mO: cute.Tensor,  # [B, T, Nq, H]
+        mLSE: cute.Tensor,  # [B, Nq, T] float32
+        mQLens: cute.Tensor,  # [B] int32
+        mKVLens: cute.Tensor,  # [B] int32
+        scale: cutlass.Float32,
+        diag_offset: cutlass.Int32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        hd, tile_n = self.head_dim, self.tile_n
+        # TMA views with the contiguous head dim first: Q/K/O as (seq, hd, heads,
+        # batch) and V transposed as (hd, seq, heads, batch), the N-major B
+        # operand of O = P V.
+        mQt = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+        mKt = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+        mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+        mOt = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype,
+            warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            cutlass.Float32, (1, 1, 1), (WG_ROWS, tile_n),
+        )
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype,
+            warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            cutlass.Float32, (1, 1, 1), (WG_ROWS, hd),
+            warpgroup.OperandSource.RMEM,
+        )
+        # One Q (and later O) stage per consumer warpgroup.
+        sQ_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (WG_ROWS, tile_n, hd), self.dtype, NUM_CONSUMERS
+        )
+        sK_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (WG_ROWS, tile_n, hd), self.dtype, self.kv_stages
+        )
+        sV_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.COL_MAJOR, (WG_ROWS, hd, tile_n), self.dtype, self.kv_stages
+        )
+        sQ_stage = cute.slice_(sQ_layout, (None, None, 0))
+        sK_stage = cute.slice_(sK_layout, (None, None, 0))
+        sV_stage = cute.slice_(sV_layout, (None, None, 0))
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQt, sQ_stage, (WG_ROWS, hd))
+        tma_k, mK_tma = cpasync.make_tiled_tma_atom(g2s, mKt, sK_stage, (tile_n, hd))
+        tma_v, mV_tma = cpasync.make_tiled_tma_atom(g2s, mVt, sV_stage, (hd, tile_n))
+        tma_o, mO_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mOt, sQ_stage, (WG_ROWS, hd)
+        )
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            sQ: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024
+            ]
+            sK: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024
+            ]
+            sV: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024
+            ]
+
+        self.q_bytes = cute.size_in_bytes(self.dtype, sQ_stage) * NUM_CONSUMERS
+        self.k_bytes = cute.size_in_bytes(self.dtype, sK_stage)
+        self.v_bytes = cute.size_in_bytes(self.dtype, sV_stage)
+        grid = (
+            cute.ceil_div(mQ.shape[1], TILE_M),
+            cute.size(mQ.shape[2]),
+            cute.size(mQ.shape[0]),
+        )
+        self.kernel(
+            tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, tma_o, mO_tma,
+            mLSE, mQLens, mKVLens,
+            scale * LOG2E, diag_offset, window_left, window_right,
+            sQ_layout, sK_layout, sV_layout,
+            tiled_mma_qk, tiled_mma_pv, SharedStorage,
+        ).launch(
+            grid=grid,
+            block=[WG_THREADS * (1 + NUM_CONSUMERS), 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        tma_o: cute.CopyAtom,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mQLens: cute.Tensor,
+        mKVLens: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        diag_offset: cutlass.Int32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = warp_idx // 4
+        m_block_rev, head_q, batch = cute.arch.block_idx()
+        tile_n = self.tile_n
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        # Largest query tiles first: under a causal mask they carry the most
+        # KV tiles, and starting them early shortens the tail of the grid.
+        m_block = cute.ceil_div(seqlen_q, TILE_M) - 1 - m_block_rev
+        head_kv = head_q // (mQ.shape[2] // mK.shape[2])
+        m_start = m_block * TILE_M
+        q_len = cutlass.max(cutlass.min(mQLens[batch], seqlen_q), 0)
+        kv_len = cutlass.max(cutlass.min(mKVLens[batch], seqlen_k), 0)
+
+        # ---- KV tile range of the whole CTA ---------------------------------
+        last_row = cutlass.min(m_start + TILE_M, q_len) - 1
+        col_begin = cutlass.Int32(0)
+        if window_left >= 0:
+            col_begin = cutlass.max(m_start + diag_offset - window_left, 0)
+        col_end = kv_len
+        if window_right >= 0:
+            col_end = cutlass.min(last_row + diag_offset + window_right + 1, kv_len)
+        n_block_min = col_begin // tile_n
+        n_block_max = cute.ceil_div(cutlass.max(col_end, 0), tile_n)
+        num_n_blocks = cutlass.Int32(0)
+        if last_row >= m_start:
+            num_n_blocks = cutlass.max(n_block_max - n_block_min, 0)
+
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # Consumers release a stage with one arrive per warp.
+        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * NUM_CONSUMERS)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
+            producer_group=producer_group, consumer_group=consumer_group,
+            tx_count=self.q_bytes, defer_sync=True,
+        )
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.kv_stages,
+            producer_group=producer_group, consumer_group=consumer_group,
+            tx_count=self.k_bytes, defer_sync=True,
+        )
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.kv_stages,
+            producer_group=producer_group, consumer_group=consumer_group,
+            tx_count=self.v_bytes, defer_sync=True,
+        )
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp_idx == 0:
+                self._produce(
+                    tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
+                    pipe_q, pipe_k, pipe_v,
+                    head_q, head_kv, batch, m_block, n_block_max, num_n_blocks,
+                )
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self._consume(
+                tidx % WG_THREADS, wg_idx - 1, tma_o, mO, mLSE, sQ, sK, sV,
+                pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
+                scale_log2, diag_offset, window_left, window_right,
+                head_q, batch, m_block, q_len, kv_len, n_block_min, n_block_max,
+                num_n_blocks,
+            )
+
+    # ------------------------------------------------------------------------
+    @cute.jit
+    def _produce(
+        self, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
+        pipe_q, pipe_k, pipe_v,
+        head_q, head_kv, batch, m_block, n_block_max, num_n_blocks,
+    ):
+        """One warp: Q once, then K(n) and V(n) for n = n_block_max-1 down."""
+        hd, tile_n = self.head_dim, self.tile_n
+        gQ = cute.local_tile(mQ[None, None, head_q, batch], (WG_ROWS, hd), (None, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (tile_n, hd), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (hd, tile_n), (0, None))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        if num_n_blocks > 0:
+            kv_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, self.kv_stages
+            )
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            # K first so that the first S = Q K^T can start as soon as Q lands.
+            n_block = n_block_max - 1
+            pipe_k.producer_acquire(kv_state)
+            cute.copy(tma_k, tKgK[None, n_block], tKsK[None, kv_state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+            pipe_q.producer_acquire(q_state)
+            for w in cutlass.range_constexpr(NUM_CONSUMERS):
+                cute.copy(tma_q, tQgQ[None, m_block * NUM_CONSUMERS + w], tQsQ[None, w],
+                          tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            pipe_v.producer_acquire(kv_state)
+            cute.copy(tma_v, tVgV[None, n_block], tVsV[None, kv_state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+            kv_state.advance()
+            for i in cutlass.range(1, num_n_blocks, unroll=1):
+                n_block = n_block_max - 1 - i
+                pipe_k.producer_acquire(kv_state)
+                cute.copy(tma_k, tKgK[None, n_block], tKsK[None, kv_state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                pipe_v.producer_acquire(kv_state)
+                cute.copy(tma_v, tVgV[None, n_block], tVsV[None, kv_state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                kv_state.advance()
+
+    # ------------------------------------------------------------------------
+    @cute.jit
+    def _consume(
+        self, tidx, wg, tma_o, mO, mLSE, sQ, sK, sV,
+        pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
+        scale_log2, diag_offset, window_left, window_right,
+        head_q, batch, m_block, q_len, kv_len, n_block_min, n_block_max, num_n_blocks,
+    ):
+        hd, tile_n = self.head_dim, self.tile_n
+        row_start = m_block * TILE_M + wg * WG_ROWS
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        sQ_wg = sQ[None, None, wg]
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ_wg))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+        acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((WG_ROWS, hd)))
+        acc_O.fill(0.0)
+        # Partitioned before any GEMM: the ACCUMULATE flag set on the tiled
+        # MMAs inside the loops must not leak into later uses.
+        tOsO = thr_pv.partition_C(sQ_wg)
+        # O starts at zero and every PV GEMM accumulates; set once, outside
+        # all staged control flow.
+        tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+        acc_S_shape = thr_qk.partition_shape_C((WG_ROWS, tile_n))
+        acc_O_mn = self._mn_view(acc_O)
+        # (row, col) of every S element inside its (64, tile_n) tile.
+        tScS = self._mn_view(thr_qk.partition_C(cute.make_identity_tensor((WG_ROWS, tile_n))))
+        num_rows = cute.size(tScS, mode=[0])
+        row_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
+        row_sum = cute.make_rmem_tensor(num_rows, cutlass.Float32)
+        row_max.fill(-cutlass.Float32.inf)
+        row_sum.fill(0.0)
+        # P lives in one register fragment across iterations: written after
+        # softmax(j), read by the PV GEMM issued in iteration j + 1.
+        rP = cute.make_rmem_tensor(acc_S_shape, self.dtype)
+        tOrP = cute.make_tensor(rP.iterator, self._acc_as_operand_a(rP.layout))
+
+        # Tiles n in [full_lo, full_hi) are visible to every row of the CTA and
+        # skip the mask; the others (kv_len edge, diagonal, window) apply it.
+        m_start = m_block * TILE_M
+        full_hi = kv_len // tile_n
+        if window_right >= 0:
+            full_hi = cutlass.min(
+                full_hi, cutlass.max(m_start + diag_offset + window_right + 1, 0) // tile_n
+            )
+        full_lo = cutlass.Int32(0)
+        if window_left >= 0:
+            full_lo = cute.ceil_div(
+                cutlass.max(m_start + TILE_M - 1 + diag_offset - window_left, 0), tile_n
+            )
+
+        if self.pingpong:
+            # Warpgroup 0 goes first: pre-arrive on its own turn barrier.
+            if wg == 0:
+                cute.arch.barrier_arrive(
+                    barrier_id=BAR_PINGPONG, number_of_threads=2 * WG_THREADS
+                )
+
+        if num_n_blocks > 0:
+            kv_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.kv_stages
+            )
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipe_q.consumer_wait(q_state)
+
+            # First tile: S, softmax, P; its PV GEMM is issued next iteration.
+            n_block = n_block_max - 1
+            pipe_k.consumer_wait(kv_state)
+            self._turn_wait(wg)
+            acc_S = self._gemm_qk(tiled_mma_qk, acc_S_shape, tSrQ, tSrK, kv_state.index)
+            self._turn_pass(wg)
+            warpgroup.wait_group(0)
+            pipe_k.consumer_release(kv_state)
+            acc_S_mn = self._mn_view(acc_S)
+            self._apply_mask(acc_S_mn, tScS, row_start, n_block * tile_n, q_len, kv_len,
+                             diag_offset, window_left, window_right)
+            self._softmax_stats(acc_S_mn, row_max, row_sum, scale_log2)
+            rP.store(acc_S.load().to(self.dtype))
+
+            for i in cutlass.range(1, num_n_blocks, unroll=1):
+                n_block = n_block_max - 1 - i
+                v_state = kv_state.clone()
+                kv_state.advance()
+                pipe_k.consumer_wait(kv_state)
+                self._turn_wait(wg)
+                acc_S = self._gemm_qk(tiled_mma_qk, acc_S_shape, tSrQ, tSrK, kv_state.index)
+                pipe_v.consumer_wait(v_state)
+                self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)
+                self._turn_pass(wg)
+                warpgroup.wait_group(1)
+                pipe_k.consumer_release(kv_state)
+                acc_S_mn = self._mn_view(acc_S)
+                if n_block < full_lo or n_block >= full_hi:
+                    self._apply_mask(acc_S_mn, tScS, row_start, n_block * tile_n, q_len,
+                                     kv_len, diag_offset, window_left, window_right)
+                factor = self._softmax_stats(acc_S_mn, row_max, row_sum, scale_log2)
+                warpgroup.wait_group(0)
+                pipe_v.consumer_release(v_state)
+                self._rescale_o(acc_O_mn, factor)
+                rP.store(acc_S.load().to(self.dtype))
+
+            pipe_v.consumer_wait(kv_state)
+            self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, kv_state.index)
+            warpgroup.wait_group(0)
+            pipe_v.consumer_release(kv_state)
+
+        self._epilogue(tidx, wg, tOsO, acc_O, acc_O_mn, tScS, row_max, row_sum,
+                       scale_log2, sQ_wg, tma_o, mO, mLSE, head_q, batch, m_block,
+                       row_start, q_len)
+
+    # ------------------------------------------------------------------------
+    @cute.jit
+    def _turn_wait(self, wg):
+        """Pingpong: wait until the other consumer has issued its GEMMs."""
+        if self.pingpong:
+            cute.arch.barrier(barrier_id=BAR_PINGPONG + wg, number_of_threads=2 * WG_THREADS)
+
+    @cute.jit
+    def _turn_pass(self, wg):
+        """Pingpong: let the other consumer issue its GEMMs."""
+        if self.pingpong:
+            cute.arch.barrier_arrive(
+                barrier_id=BAR_PINGPONG + 1 - wg, number_of_threads=2 * WG_THREADS
+            )
+
+    @cute.jit
+    def _gemm_qk(self, tiled_mma, acc_S_shape, tSrQ, tSrK, stage):
+        """Issue S = Q K(stage)^T asynchronously; the caller waits."""
+        acc_S = cute.make_rmem_tensor(acc_S_shape, cutlass.Float32)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
+        warpgroup.commit_group()
+        return acc_S
+
+    @cute.jit
+    def _gemm_pv(self, tiled_mma, acc_O, tOrP, tOrV, stage):
+        """Issue O += P V(stage) asynchronously with P in registers."""
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrV[None, None, k, stage], acc_O)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _apply_mask(
+        self, acc_S_mn, tScS, row_start, n_start, q_len, kv_len,
+        diag_offset, window_left, window_right,
+    ):
+        """Set S to -inf where row i may not see column j (kernel_api.h)."""
+        for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+            row = row_start + tScS[r, 0][0]
+            col_lo = cutlass.Int32(0)
+            if window_left >= 0:
+                col_lo = row + diag_offset - window_left
+            col_hi = kv_len
+            if window_right >= 0:
+                col_hi = cutlass.min(row + diag_offset + window_right + 1, kv_len)
+            if row >= q_len:
+                col_hi = cutlass.Int32(0)
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                col = n_start + tScS[0, c][1]
+                if col < col_lo or col >= col_hi:
+                    acc_S_mn[r, c] = -cutlass.Float32.inf
+
+    @cute.jit
+    def _softmax_stats(self, acc_S_mn, row_max, row_sum, scale_log2):
+        """Overwrite S with P = exp2(S * scale_log2 - m), update the running
+        max m and row sums, and return the factor by which O must be scaled
+        (exactly 1 for a row whose reference max did not move)."""
+        num_rows = cute.size(acc_S_mn, mode=[0])
+        factor = cute.make_rmem_tensor(num_rows, cutlass.Float32)
+        for r in cutlass.range_constexpr(num_rows):
+            tile_max = acc_S_mn[r, 0]
+            for c in cutlass.range_constexpr(1, cute.size(acc_S_mn, mode=[1])):
+                tile_max = cute.arch.fmax(tile_max, acc_S_mn[r, c])
+            tile_max = self._quad_allreduce(tile_max, cute.arch.fmax)
+            prev_max = row_max[r]
+            new_max = cute.arch.fmax(prev_max, tile_max)
+            if self.conditional_rescale:
+                # Keep the stale reference unless it fell too far behind. From
+                # -inf any finite max counts as growth; -inf to -inf does not.
+                if (new_max - prev_max) * scale_log2 <= RESCALE_THRESHOLD_LOG2:
+                    new_max = prev_max
+            # A row that has seen only masked keys keeps max -inf; subtracting
+            # 0 instead keeps every exp2 at exactly 0 rather than NaN.
+            max_scaled = (
+                cutlass.Float32(0.0)
+                if new_max == -cutlass.Float32.inf
+                else new_max * scale_log2
+            )
+            factor[r] = cute.math.exp2(prev_max * scale_log2 - max_scaled, fastmath=True)
+            row_max[r] = new_max
+            tile_sum = cutlass.Float32(0.0)
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                p = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - max_scaled, fastmath=True)
+                acc_S_mn[r, c] = p
+                tile_sum = tile_sum + p
+            row_sum[r] = row_sum[r] * factor[r] + tile_sum
+        return factor
+
+    @cute.jit
+    def _rescale_o(self, acc_O_mn, factor):
+        num_rows = cute.size(acc_O_mn, mode=[0])
+        if self.conditional_rescale:
+            # Skip the multiply when no row of the warp moved its reference
+            # (factor < 1 exactly then); the vote keeps the branch warp-uniform.
+            smallest = factor[0]
+            for r in cutlass.range_constexpr(1, num_rows):
+                smallest = cute.arch.fmin(smallest, factor[r])
+            if cute.arch.vote_any_sync(smallest < 1.0):
+                self._scale_rows(acc_O_mn, factor)
+        else:
+            self._scale_rows(acc_O_mn, factor)
+
+    @cute.jit
+    def _scale_rows(self, acc_mn, factor):
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                acc_mn[r, c] = acc_mn[r, c] * factor[r]
+
+    @cute.jit
+    def _epilogue(
+        self, tidx, wg, tOsO, acc_O, acc_O_mn, tScS, row_max, row_sum,
+        scale_log2, sO, tma_o, mO, mLSE, head_q, batch, m_block, row_start, q_len,
+    ):
+        """Normalise O, write LSE, and store O through this warpgroup's Q
+        buffer with one TMA store (which clips rows past seqlen_q)."""
+        seqlen_q = mO.shape[0]
+        for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
+            total = self._quad_allreduce(row_sum[r], lambda a, b: a + b)
+            row = row_start + tScS[r, 0][0]
+            seen = total > 0.0 and row < q_len
+            inv = cute.arch.rcp_approx(total) if seen else cutlass.Float32(0.0)
+            lse = -cutlass.Float32.inf
+            if seen:
+                lse = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
+            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                acc_O_mn[r, c] = acc_O_mn[r, c] * inv
+            if tidx % 4 == 0 and row < seqlen_q:
+                mLSE[batch, head_q, row] = lse
+
+        rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        # Every warp of this warpgroup must be done reading Q before O lands.
+        cute.arch.barrier(barrier_id=BAR_EPILOGUE + wg, number_of_threads=WG_THREADS)
+        cute.autovec_copy(rO, tOsO)
+        # Generic-proxy smem writes must be visible to the TMA (async proxy).
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=BAR_EPILOGUE + wg, number_of_threads=WG_THREADS)
+        if tidx < 32:
+            gO = cute.local_tile(
+                mO[None, None, head_q, batch], (WG_ROWS, self.head_dim),
+                (m_block * NUM_CONSUMERS + wg, 0),
+            )
+            tOsO_tma, tOgO = cpasync.tma_partition(
+                tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                cute.group_modes(gO, 0, 2),
+            )
+            cute.copy(tma_o, tOsO_tma, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @staticmethod
+    def _quad_allreduce(value, op):
+        """Reduce over the 4 lanes that share an accumulator row."""
+        value = op(value, cute.arch.shuffle_sync_bfly(value, offset=2))
+        return op(value, cute.arch.shuffle_sync_bfly(value, offset=1))
+
+    @staticmethod
+    def _mn_view(acc: cute.Tensor) -> cute.Tensor:
+        """View a WGMMA accumulator fragment ((2 cols, 2 rows, N/8), M, N) as
+        (rows, cols)."""
+        shape, stride = acc.layout.shape, acc.layout.stride
+        mn = cute.make_layout(
+            ((shape[0][1], shape[1]), (shape[0][0], shape[0][2], shape[2])),
+            stride=((stride[0][1], stride[1]), (stride[0][0], stride[0][2], stride[2])),
+        )
+        return cute.make_tensor(acc.iterator, mn)
+
+    @staticmethod
+    def _acc_as_operand_a(layout):
+        """((2, 2, N/8), 1, 1) accumulator -> ((2, 2, 2), 1, N/16) A operand:
+        two neighbouring 8-column groups form one k16 slice. For 16-bit types
+        the m64nN accumulator of S holds, per thread, exactly the elements of
+        the m64kN A fragment of P, so no data moves between threads."""
+        shape, stride = layout.shape, layout.stride
+        return cute.make_layout(
+            ((shape[0][0], shape[0][1], 2), shape[1], shape[0][2] // 2),
+            stride=((stride[0][0], stride[0][1], stride[0][2]), stride[1],
+                    stride[0][2] * 2),
+        )
