@@ -19,7 +19,7 @@ std::atomic<int64_t> g_handler_calls{0};
 // able, else the sm80 family (which runs on every GPU from Ampere on).
 int LaunchForward(const JfFwdArgs& args, cudaStream_t stream, char* err, size_t n) {
 #ifdef JF_HAVE_FWD_SM90
-  if (!args.problem.has_segments && jax_flash_fwd_sm90_can_implement(&args.problem)) {
+  if (jax_flash_fwd_sm90_can_implement(&args.problem)) {
     return jax_flash_fwd_sm90(&args, stream, err, n);
   }
 #endif

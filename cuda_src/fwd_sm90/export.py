@@ -2,10 +2,14 @@
 
     python cuda_src/fwd_sm90/export.py --arch sm_90a --out DIR
 
-writes DIR/<name>.o and DIR/<name>.h per (dtype, head_dim) variant and
+writes DIR/<name>.o and DIR/<name>.h per (dtype, head_dim) variant, plain
+(jf_fwd90_*) and packed-document (jf_fwdseg90_*, has_segments=True, compiled
+from FlashFwdSm90.call_with_segments, which takes the three segment tensors
+after the stream), and
 DIR/fwd_sm90_variants_sm_90a.h, which includes them all and defines
 
-    JF_FWD_SM90_VARIANTS_SM_90A(X)  ->  X(arch, JfDtype, head_dim, prefix) ...
+    JF_FWD_SM90_VARIANTS_SM_90A(X)      ->  X(arch, JfDtype, head_dim, prefix) ...
+    JF_FWD_SM90_SEG_VARIANTS_SM_90A(X)  ->  the same for the segment variants
 
 for launch.cc. The tensor and scalar signature is the sm80 kernel's, so the
 generated wrappers take the same descriptors. `--only` and the kernel flags
@@ -14,12 +18,26 @@ exist for benchmarking alternatives; the shipped build uses the defaults.
 
 import argparse
 import os
+import pathlib
 import sys
-import time
+
+# Run as a script: make cuda_src/common importable here and in kernel.py.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from common.export_common import (  # noqa: E402
+    SCALAR_ALIGN,
+    FakeProblem,
+    export_variants,
+    write_variants_header,
+)
 
 ARCHES = ("sm_90a",)
 HEAD_DIMS = (64, 96, 128, 192, 256)
 DTYPES = (("fp16", "JF_FLOAT16", "Float16"), ("bf16", "JF_BFLOAT16", "BFloat16"))
+# Packed-document variants that have passed on an H100 (2026-11-21: bf16 at
+# every head dim, fp16 at 64). The others are not exported, so those problems
+# run on the sm80 segment kernels, which passed for every dtype and head dim.
+SEGMENT_VARIANTS_VERIFIED = {("bf16", h) for h in HEAD_DIMS} | {("fp16", 64)}
 
 
 def _parse_args():
@@ -34,86 +52,80 @@ def _parse_args():
     parser.add_argument("--no-pingpong", action="store_true")
     parser.add_argument("--tile-n", type=int, default=None)
     parser.add_argument("--stages", type=int, default=None)
-    return parser.parse_args()
+    args = parser.parse_args()
+    # The DSL picks its target when cutlass is first imported; on a machine
+    # without a GPU it would otherwise default to sm_100a.
+    os.environ["CUTE_DSL_ARCH"] = args.arch
+    return args
 
 
-def variant_name(arch: str, dtype_tag: str, head_dim: int) -> str:
-    return f"jf_fwd90_{arch}_{dtype_tag}_hd{head_dim}"
+def variant_name(arch: str, dtype_tag: str, head_dim: int, has_segments: bool) -> str:
+    family = "fwdseg90" if has_segments else "fwd90"
+    return f"jf_{family}_{arch}_{dtype_tag}_hd{head_dim}"
 
 
-def _fake_args(cutlass, cute, dtype, head_dim):
-    """Fake tensors whose dynamic extents are tied together by shared SymInts."""
-    from cutlass.cute.runtime import make_fake_compact_tensor
+def _fake_args(dtype, head_dim, has_segments):
+    import cutlass
 
-    batch, seqlen_q, seqlen_k = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    heads_q, heads_kv = cute.sym_int(), cute.sym_int()
-    # Row-major [B, T, N, H]: the last mode is the fastest (stride order 3..0).
-    row_major_4d = (3, 2, 1, 0)
-
-    def bthd(seq, heads):
-        return make_fake_compact_tensor(
-            dtype, (batch, seq, heads, head_dim), stride_order=row_major_4d, assumed_align=16
-        )
-
-    q = bthd(seqlen_q, heads_q)
-    k = bthd(seqlen_k, heads_kv)
-    v = bthd(seqlen_k, heads_kv)
-    o = bthd(seqlen_q, heads_q)
-    lse = make_fake_compact_tensor(
-        cutlass.Float32, (batch, heads_q, seqlen_q), stride_order=(2, 1, 0), assumed_align=4
-    )
-    q_lens = make_fake_compact_tensor(cutlass.Int32, (batch,), assumed_align=4)
-    kv_lens = make_fake_compact_tensor(cutlass.Int32, (batch,), assumed_align=4)
+    fake = FakeProblem(head_dim)
+    q = fake.bthd(dtype, fake.seqlen_q, fake.heads_q)
+    k = fake.bthd(dtype, fake.seqlen_k, fake.heads_kv)
+    v = fake.bthd(dtype, fake.seqlen_k, fake.heads_kv)
+    o = fake.bthd(dtype, fake.seqlen_q, fake.heads_q)
+    lse = fake.per_head_row(assumed_align=SCALAR_ALIGN)
     scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(-1), cutlass.Int32(-1))
-    return (q, k, v, o, lse, q_lens, kv_lens, *scalars, cutlass.runtime.make_fake_stream())
+    args = (q, k, v, o, lse, fake.lens(), fake.lens(), *scalars, cutlass.runtime.make_fake_stream())
+    if not has_segments:
+        return args
+    kv_bounds = fake.segment_bounds(fake.seqlen_q)
+    return (*args, fake.segment_ids(fake.seqlen_q), fake.segment_ids(fake.seqlen_k), kv_bounds)
 
 
 def main():
     args = _parse_args()
-    # The DSL picks its target when cutlass is first imported; on a machine
-    # without a GPU it would otherwise default to sm_100a.
-    os.environ["CUTE_DSL_ARCH"] = args.arch
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import cutlass
     import cutlass.cute as cute
     from kernel import FlashFwdSm90
 
-    os.makedirs(args.out, exist_ok=True)
-    only = set(args.only.split(",")) if args.only else None
-    built = []
-    for dtype_tag, enum_name, cutlass_name in DTYPES:
-        dtype = getattr(cutlass, cutlass_name)
-        for head_dim in HEAD_DIMS:
-            name = variant_name(args.arch, dtype_tag, head_dim)
-            if only is not None and name not in only:
-                continue
-            start = time.perf_counter()
-            kernel = FlashFwdSm90(
-                dtype, head_dim,
-                conditional_rescale=not args.no_conditional_rescale,
-                pingpong=not args.no_pingpong,
-                tile_n=args.tile_n, kv_stages=args.stages,
-            )
-            compiled = cute.compile(kernel, *_fake_args(cutlass, cute, dtype, head_dim))
-            compiled.export_to_c(file_path=args.out, file_name=name, function_prefix=name)
-            print(f"{name}: {time.perf_counter() - start:.1f} s", flush=True)
-            built.append((enum_name, head_dim, name))
+    def compile_fn(dtype, head_dim, has_segments):
+        kernel = FlashFwdSm90(
+            dtype, head_dim,
+            conditional_rescale=not args.no_conditional_rescale,
+            pingpong=not args.no_pingpong,
+            tile_n=args.tile_n, kv_stages=args.stages,
+            has_segments=has_segments,
+        )
+        entry = kernel.call_with_segments if has_segments else kernel
+        return lambda: cute.compile(entry, *_fake_args(dtype, head_dim, has_segments))
 
+    only = set(args.only.split(",")) if args.only else None
+    built = {False: [], True: []}
+    variants = []
+    for has_segments in (False, True):
+        for dtype_tag, enum_name, cutlass_name in DTYPES:
+            dtype = getattr(cutlass, cutlass_name)
+            for head_dim in HEAD_DIMS:
+                name = variant_name(args.arch, dtype_tag, head_dim, has_segments)
+                if only is not None and name not in only:
+                    continue
+                if has_segments and (dtype_tag, head_dim) not in SEGMENT_VARIANTS_VERIFIED:
+                    continue
+                variants.append((name, compile_fn(dtype, head_dim, has_segments)))
+                built[has_segments].append(f"{args.arch}, {enum_name}, {head_dim}, {name}")
+
+    names = export_variants(args.out, variants)
     arch_macro = args.arch.upper()
-    header = os.path.join(args.out, f"fwd_sm90_variants_{args.arch}.h")
-    lines = [
-        "// Generated by cuda_src/fwd_sm90/export.py; do not edit.",
-        "#pragma once",
-        *(f'#include "{name}.h"' for _, _, name in built),
-        "",
-        f"// X(arch, JfDtype, head_dim, prefix) for every exported {args.arch} variant.",
-        f"#define JF_FWD_SM90_VARIANTS_{arch_macro}(X) \\",
-        *(f"  X({args.arch}, {enum}, {hd}, {name}) \\" for enum, hd, name in built),
-        "",
-    ]
-    with open(header, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {header}")
+    write_variants_header(
+        os.path.join(args.out, f"fwd_sm90_variants_{args.arch}.h"),
+        generator="cuda_src/fwd_sm90/export.py",
+        guard=f"JAX_FLASH_FWD_SM90_VARIANTS_{arch_macro}_H_",
+        include_names=names,
+        macros=[
+            (f"X(arch, JfDtype, head_dim, prefix) for every exported {args.arch} {kind} variant.",
+             f"JF_FWD_SM90_{macro}_{arch_macro}", built[has_segments])
+            for has_segments, macro, kind in ((False, "VARIANTS", "plain"), (True, "SEG_VARIANTS", "packed-document"))
+        ],
+    )
 
 
 if __name__ == "__main__":

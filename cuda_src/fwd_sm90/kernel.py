@@ -19,10 +19,15 @@ shortens the tail of a causal grid.
 Mask (kernel_api.h): row i sees column j iff i < q_len, j < kv_len,
 j >= i + diag_offset - window_left (window_left >= 0) and
 j <= i + diag_offset + window_right (window_right >= 0).
+
+The packed-document variant (has_segments) also requires equal segment ids.
+It narrows the CTA's KV range to the union of its rows' kv_bounds and
+compares ids on every visited tile: the bounds only say where visible keys
+can be, not that every key inside them is visible.
 """
 
 import math
-from typing import Type
+from typing import Optional, Type
 
 import cuda.bindings.driver as cuda
 
@@ -32,6 +37,8 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
+
+from segment_ids import load_tile_ids, warp_bounds_union
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -83,6 +90,7 @@ class FlashFwdSm90:
         pingpong: bool = True,
         tile_n: int = None,
         kv_stages: int = None,
+        has_segments: bool = False,
     ):
         if not self.can_implement(dtype, head_dim):
             raise ValueError(
@@ -96,6 +104,7 @@ class FlashFwdSm90:
         self.kv_stages = kv_stages or default_stages
         self.conditional_rescale = conditional_rescale
         self.pingpong = pingpong
+        self.has_segments = has_segments
         elem = dtype.width // 8
         smem = (TILE_M + 2 * self.kv_stages * self.tile_n) * head_dim * elem + 1024
         if smem > SMEM_BUDGET:
@@ -124,6 +133,32 @@ class FlashFwdSm90:
         window_right: cutlass.Int32,
         stream: cuda.CUstream,
     ):
+        """Entry point of the plain variant. The exported object records this
+        signature, so the segment tensors get their own entry point below."""
+        self._launch(mQ, mK, mV, mO, mLSE, mQLens, mKVLens, scale, diag_offset,
+                     window_left, window_right, stream, None, None, None)
+
+    @cute.jit
+    def call_with_segments(
+        self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+        mLSE: cute.Tensor, mQLens: cute.Tensor, mKVLens: cute.Tensor,
+        scale: cutlass.Float32, diag_offset: cutlass.Int32, window_left: cutlass.Int32,
+        window_right: cutlass.Int32, stream: cuda.CUstream,
+        mQSeg: cute.Tensor,  # [B, T] int32
+        mKVSeg: cute.Tensor,  # [B, S] int32
+        mKVBounds: cute.Tensor,  # [B, T, 2] int32
+    ):
+        """Entry point of the packed-document variant (has_segments)."""
+        self._launch(mQ, mK, mV, mO, mLSE, mQLens, mKVLens, scale, diag_offset,
+                     window_left, window_right, stream, mQSeg, mKVSeg, mKVBounds)
+
+    @cute.jit
+    def _launch(
+        self, mQ, mK, mV, mO, mLSE, mQLens, mKVLens, scale, diag_offset,
+        window_left, window_right, stream, mQSeg, mKVSeg, mKVBounds,
+    ):
+        if cutlass.const_expr(self.has_segments != (mQSeg is not None)):
+            raise TypeError("segment tensors must be given exactly for the has_segments variant")
         hd, tile_n = self.head_dim, self.tile_n
         # TMA views with the contiguous head dim first: Q/K/O as (seq, hd, heads,
         # batch) and V transposed as (hd, seq, heads, batch), the N-major B
@@ -192,6 +227,7 @@ class FlashFwdSm90:
             tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, tma_o, mO_tma,
             mLSE, mQLens, mKVLens,
             scale * LOG2E, diag_offset, window_left, window_right,
+            mQSeg, mKVSeg, mKVBounds,
             sQ_layout, sK_layout, sV_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(
@@ -219,6 +255,9 @@ class FlashFwdSm90:
         diag_offset: cutlass.Int32,
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
+        mQSeg: Optional[cute.Tensor],
+        mKVSeg: Optional[cute.Tensor],
+        mKVBounds: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -249,6 +288,10 @@ class FlashFwdSm90:
         col_end = kv_len
         if window_right >= 0:
             col_end = cutlass.min(last_row + diag_offset + window_right + 1, kv_len)
+        if cutlass.const_expr(self.has_segments):
+            seg_begin, seg_end = warp_bounds_union(mKVBounds, batch, m_start, last_row, TILE_M)
+            col_begin = cutlass.max(col_begin, seg_begin)
+            col_end = cutlass.min(col_end, seg_end)
         n_block_min = col_begin // tile_n
         n_block_max = cute.ceil_div(cutlass.max(col_end, 0), tile_n)
         num_n_blocks = cutlass.Int32(0)
@@ -296,7 +339,7 @@ class FlashFwdSm90:
                 pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
                 scale_log2, diag_offset, window_left, window_right,
                 head_q, batch, m_block, q_len, kv_len, n_block_min, n_block_max,
-                num_n_blocks,
+                num_n_blocks, mQSeg, mKVSeg,
             )
 
     # ------------------------------------------------------------------------
@@ -355,6 +398,7 @@ class FlashFwdSm90:
         pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
         scale_log2, diag_offset, window_left, window_right,
         head_q, batch, m_block, q_len, kv_len, n_block_min, n_block_max, num_n_blocks,
+        mQSeg, mKVSeg,
     ):
         hd, tile_n = self.head_dim, self.tile_n
         row_start = m_block * TILE_M + wg * WG_ROWS
@@ -381,6 +425,13 @@ class FlashFwdSm90:
         row_sum = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         row_max.fill(-cutlass.Float32.inf)
         row_sum.fill(0.0)
+        row_seg = None
+        if cutlass.const_expr(self.has_segments):
+            # Rows past seqlen_q read a clamped id; the q_len mask hides them.
+            row_seg = cute.make_rmem_tensor(num_rows, cutlass.Int32)
+            for r in cutlass.range_constexpr(num_rows):
+                row = cutlass.min(row_start + tScS[r, 0][0], mQSeg.shape[1] - 1)
+                row_seg[r] = mQSeg[batch, row]
         # P lives in one register fragment across iterations: written after
         # softmax(j), read by the PV GEMM issued in iteration j + 1.
         rP = cute.make_rmem_tensor(acc_S_shape, self.dtype)
@@ -420,11 +471,12 @@ class FlashFwdSm90:
             self._turn_wait(wg)
             acc_S = self._gemm_qk(tiled_mma_qk, acc_S_shape, tSrQ, tSrK, kv_state.index)
             self._turn_pass(wg)
+            col_seg = self._load_col_ids(mKVSeg, tScS, batch, n_block * tile_n)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(kv_state)
             acc_S_mn = self._mn_view(acc_S)
             self._apply_mask(acc_S_mn, tScS, row_start, n_block * tile_n, q_len, kv_len,
-                             diag_offset, window_left, window_right)
+                             diag_offset, window_left, window_right, row_seg, col_seg)
             self._softmax_stats(acc_S_mn, row_max, row_sum, scale_log2)
             rP.store(acc_S.load().to(self.dtype))
 
@@ -438,10 +490,16 @@ class FlashFwdSm90:
                 pipe_v.consumer_wait(v_state)
                 self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)
                 self._turn_pass(wg)
+                # Issued while the GEMMs run, so that their latency hides.
+                col_seg = self._load_col_ids(mKVSeg, tScS, batch, n_block * tile_n)
                 warpgroup.wait_group(1)
                 pipe_k.consumer_release(kv_state)
                 acc_S_mn = self._mn_view(acc_S)
-                if n_block < full_lo or n_block >= full_hi:
+                if cutlass.const_expr(self.has_segments):
+                    self._apply_mask(acc_S_mn, tScS, row_start, n_block * tile_n, q_len,
+                                     kv_len, diag_offset, window_left, window_right,
+                                     row_seg, col_seg)
+                elif n_block < full_lo or n_block >= full_hi:
                     self._apply_mask(acc_S_mn, tScS, row_start, n_block * tile_n, q_len,
                                      kv_len, diag_offset, window_left, window_right)
                 factor = self._softmax_stats(acc_S_mn, row_max, row_sum, scale_log2)
@@ -494,9 +552,17 @@ class FlashFwdSm90:
         warpgroup.commit_group()
 
     @cute.jit
+    def _load_col_ids(self, mKVSeg, tScS, batch, n_start):
+        """Segment ids of this thread's S columns; None for the plain variant."""
+        col_seg = None
+        if cutlass.const_expr(self.has_segments):
+            col_seg = load_tile_ids(mKVSeg, batch, n_start, tScS[0, None], self.tile_n)
+        return col_seg
+
+    @cute.jit
     def _apply_mask(
         self, acc_S_mn, tScS, row_start, n_start, q_len, kv_len,
-        diag_offset, window_left, window_right,
+        diag_offset, window_left, window_right, row_seg=None, col_seg=None,
     ):
         """Set S to -inf where row i may not see column j (kernel_api.h)."""
         for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
@@ -511,7 +577,10 @@ class FlashFwdSm90:
                 col_hi = cutlass.Int32(0)
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                 col = n_start + tScS[0, c][1]
-                if col < col_lo or col >= col_hi:
+                if cutlass.const_expr(row_seg is not None):
+                    if col < col_lo or col >= col_hi or row_seg[r] != col_seg[c]:
+                        acc_S_mn[r, c] = -cutlass.Float32.inf
+                elif col < col_lo or col >= col_hi:
                     acc_S_mn[r, c] = -cutlass.Float32.inf
 
     @cute.jit

@@ -1,109 +1,52 @@
 // jax_flash_fwd_sm90: host launcher for the ahead-of-time exported Hopper
 // forward kernels (cuda_src/fwd_sm90/kernel.py, exported by export.py).
 //
-// Build (verified on the CPU machine with nvcc 13.0):
+// Build (verified on the CPU machine with nvcc 13.0; the jf_fwdseg90_* half of
+// the objects is the packed-document variant, run when has_segments):
 //
 //   python cuda_src/fwd_sm90/export.py --arch sm_90a --out BUILD/fwd90_sm_90a
 //   DSL=$(python -c "import nvidia_cutlass_dsl; print(list(nvidia_cutlass_dsl.__path__)[0])")
-//   INC="-I cuda_src/include -I BUILD/fwd90_sm_90a"
+//   INC="-I cuda_src/include -I cuda_src/common -I BUILD/fwd90_sm_90a"
 //   OBJS="BUILD/fwd90_sm_90a/*.o $DSL/cu13/lib/libcuda_dialect_runtime_static.a"
 //   nvcc -std=c++17 -O2 -shared -Xcompiler -fPIC -cudart static $INC cuda_src/fwd_sm90/launch.cc $OBJS -Xlinker --exclude-libs,ALL -o libjax_flash_fwd_sm90.so
 //
 // The kernels read Q/K/V and write O with TMA; the tensor maps are encoded by
 // the generated wrapper on every call from the dynamic shapes below.
 //
-// Verified on an H100 (2026-11-21): every variant against a float32
+// Verified on an H100 (2026-11-21): every plain variant against a float32
 // reference on awkward lengths, masks and GQA, the GPU test suite through JAX,
 // and compute-sanitizer memcheck/racecheck (see the README's benchmark notes).
 
 #include <cuda_runtime.h>
 
-#include <atomic>
-#include <cstdarg>
 #include <cstdint>
-#include <cstdio>
-#include <mutex>
 
 #include "jax_flash/kernel_api.h"
-
-// The generated module loaders report failures through this macro; record
-// the first failure instead of printing it so that the launcher can return it.
-namespace {
-thread_local cudaError_t g_module_load_error = cudaSuccess;
-inline void RecordLoadError(cudaError_t err) {
-  if (err != cudaSuccess && g_module_load_error == cudaSuccess) {
-    g_module_load_error = err;
-  }
-}
-}  // namespace
-#define CUTE_DSL_CUDA_ERROR_CHECK(err) RecordLoadError(err)
-
+#include "launch_common.h"  // first: it sets up the module loaders' error hook
 #include "fwd_sm90_variants_sm_90a.h"
 
 namespace {
 
-constexpr int kMaxDevices = 64;
+using jax_flash_launch::EnsureLoaded;
+using jax_flash_launch::Fail;
+using jax_flash_launch::LoadedModule;
+
 constexpr int kMaxGridYZ = 65535;  // grid = (query tiles, heads_q, batch)
 constexpr uintptr_t kOperandAlign = 16;  // TMA needs 16-byte aligned bases
 
-int Fail(char* err, size_t err_len, const char* fmt, ...) {
-  if (err != nullptr && err_len > 0) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, err_len, fmt, ap);
-    va_end(ap);
-  }
-  return 1;
-}
-
-// Compute capability never changes for a device, so ask once per device:
-// 0 unknown, 1 Hopper (9.x), 2 anything else.
-int IsHopper(int device) {
-  static std::atomic<int> cache[kMaxDevices];
-  if (device >= 0 && device < kMaxDevices) {
-    int cached = cache[device].load(std::memory_order_relaxed);
-    if (cached != 0) return cached == 1;
-  }
+bool IsHopper(int device) {
   int major = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) !=
-      cudaSuccess) {
-    return 0;
-  }
-  if (device >= 0 && device < kMaxDevices) {
-    cache[device].store(major == 9 ? 1 : 2, std::memory_order_relaxed);
-  }
-  return major == 9;
-}
-
-// One exported variant: its module is loaded on first use, once per process.
-template <typename Module>
-struct LoadedModule {
-  std::once_flag once;
-  Module module{};
-  cudaError_t status = cudaSuccess;
-};
-
-template <typename Module, typename LoadFn>
-cudaError_t EnsureLoaded(LoadedModule<Module>& m, LoadFn load) {
-  std::call_once(m.once, [&] {
-    g_module_load_error = cudaSuccess;
-    load(&m.module);
-    m.status = g_module_load_error;
-    if (m.status == cudaSuccess) m.status = cudaGetLastError();
-  });
-  return m.status;
+  return jax_flash_launch::ComputeCapabilityMajor(device, &major) == cudaSuccess && major == 9;
 }
 
 int64_t Prod(int64_t a, int64_t b, int64_t c = 1) { return a * b * c; }
 
-bool Misaligned(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) % kOperandAlign) != 0;
-}
-
 // Expands to one function per exported variant that fills the tensor
 // descriptors (only dynamic modes: shapes [B, T|S, N], strides [B, T|S] for
 // the 4-D operands, shapes [B, N, T] / strides [B, N] for lse) and launches.
-#define JF_DEFINE_VARIANT(arch_tag, dtype_enum, hd, prefix)                        \
+// SEG_ARGS is empty for the plain variants; the segment variants append the
+// descriptors that JF_SEG_TENSORS declares (the forward needs no q_bounds).
+#define JF_DEFINE_LAUNCH(prefix, SEG_TENSORS, SEG_ARGS)                            \
   LoadedModule<prefix##_Kernel_Module_t> g_##prefix;                              \
   int Launch_##prefix(const JfFwdArgs& a, cudaStream_t stream, char* err,         \
                       size_t err_len) {                                           \
@@ -113,6 +56,7 @@ bool Misaligned(const void* p) {
                   cudaGetErrorString(load));                                      \
     }                                                                             \
     const JfProblem& p = a.problem;                                               \
+    SEG_TENSORS(prefix)                                                           \
     const int64_t h = p.head_dim;                                                 \
     prefix##_Tensor_mQ_t q = {const_cast<void*>(a.q),                             \
                               {p.batch, p.seqlen_q, p.heads_q},                   \
@@ -133,39 +77,73 @@ bool Misaligned(const void* p) {
     prefix##_Tensor_mKVLens_t kv_lens = {const_cast<int32_t*>(a.kv_lens), {p.batch}}; \
     int32_t rc = cute_dsl_##prefix##_wrapper(                                     \
         &g_##prefix.module, &q, &k, &v, &o, &lse, &q_lens, &kv_lens, p.scale,     \
-        p.diag_offset, p.window_left, p.window_right, stream);                    \
+        p.diag_offset, p.window_left, p.window_right, stream SEG_ARGS);           \
     if (rc != 0) {                                                                \
       return Fail(err, err_len, "jax_flash_fwd_sm90: " #prefix " returned %d", rc); \
     }                                                                             \
     return 0;                                                                     \
   }
 
+#define JF_NO_SEG_TENSORS(prefix)
+#define JF_SEG_TENSORS(prefix)                                                     \
+  prefix##_Tensor_mQSeg_t q_seg = {const_cast<int32_t*>(a.q_segment_ids),         \
+                                   {p.batch, p.seqlen_q}, {p.seqlen_q}};          \
+  prefix##_Tensor_mKVSeg_t kv_seg = {const_cast<int32_t*>(a.kv_segment_ids),      \
+                                     {p.batch, p.seqlen_k}, {p.seqlen_k}};        \
+  prefix##_Tensor_mKVBounds_t kv_bounds = {const_cast<int32_t*>(a.kv_bounds),     \
+                                           {p.batch, p.seqlen_q},                 \
+                                           {Prod(p.seqlen_q, 2)}};
+#define JF_SEG_ARGS , &q_seg, &kv_seg, &kv_bounds
+#define JF_DEFINE_VARIANT(arch_tag, dtype_enum, hd, prefix) \
+  JF_DEFINE_LAUNCH(prefix, JF_NO_SEG_TENSORS, )
+#define JF_DEFINE_SEG_VARIANT(arch_tag, dtype_enum, hd, prefix) \
+  JF_DEFINE_LAUNCH(prefix, JF_SEG_TENSORS, JF_SEG_ARGS)
+
 JF_FWD_SM90_VARIANTS_SM_90A(JF_DEFINE_VARIANT)
+JF_FWD_SM90_SEG_VARIANTS_SM_90A(JF_DEFINE_SEG_VARIANT)
+#undef JF_DEFINE_SEG_VARIANT
 #undef JF_DEFINE_VARIANT
+#undef JF_SEG_ARGS
+#undef JF_SEG_TENSORS
+#undef JF_NO_SEG_TENSORS
+#undef JF_DEFINE_LAUNCH
 
 using LaunchFn = int (*)(const JfFwdArgs&, cudaStream_t, char*, size_t);
 
-LaunchFn FindVariant(JfDtype dtype, int head_dim, int head_dim_v) {
+// has_segments other than 0 or 1 finds no kernel.
+LaunchFn FindVariant(JfDtype dtype, int head_dim, int head_dim_v, int has_segments) {
   if (head_dim != head_dim_v) return nullptr;
 #define JF_MATCH_VARIANT(arch_tag, dtype_enum, hd, prefix) \
   if (dtype == dtype_enum && head_dim == hd) return Launch_##prefix;
-  JF_FWD_SM90_VARIANTS_SM_90A(JF_MATCH_VARIANT)
+  if (has_segments == 0) {
+    JF_FWD_SM90_VARIANTS_SM_90A(JF_MATCH_VARIANT)
+  } else if (has_segments == 1) {
+    JF_FWD_SM90_SEG_VARIANTS_SM_90A(JF_MATCH_VARIANT)
+  }
 #undef JF_MATCH_VARIANT
   return nullptr;
+}
+
+LaunchFn FindVariant(const JfProblem& p) {
+  return FindVariant(p.dtype, p.head_dim, p.head_dim_v, p.has_segments);
 }
 
 // Shapes the kernels serve. An empty key set is left to the sm80 kernel: a
 // TMA descriptor cannot describe a zero-length sequence.
 bool Serves(const JfProblem& p) {
-  return FindVariant(p.dtype, p.head_dim, p.head_dim_v) != nullptr && p.batch >= 0 &&
-         p.seqlen_q >= 0 && p.seqlen_k > 0 && p.heads_q > 0 && p.heads_kv > 0 &&
-         p.heads_q % p.heads_kv == 0 && p.heads_q <= kMaxGridYZ && p.batch <= kMaxGridYZ;
+  return FindVariant(p) != nullptr && p.batch >= 0 && p.seqlen_q >= 0 && p.seqlen_k > 0 &&
+         p.heads_q > 0 && p.heads_kv > 0 && p.heads_q % p.heads_kv == 0 &&
+         p.heads_q <= kMaxGridYZ && p.batch <= kMaxGridYZ;
 }
 
 int Validate(const JfFwdArgs* args, char* err, size_t err_len) {
   if (args == nullptr) return Fail(err, err_len, "jax_flash_fwd_sm90: args is null");
   const JfProblem& p = args->problem;
-  if (FindVariant(p.dtype, p.head_dim, p.head_dim_v) == nullptr) {
+  if (p.has_segments != 0 && p.has_segments != 1) {
+    return Fail(err, err_len, "jax_flash_fwd_sm90: has_segments must be 0 or 1, got %d",
+                p.has_segments);
+  }
+  if (FindVariant(p) == nullptr) {
     return Fail(err, err_len,
                 "jax_flash_fwd_sm90: no kernel for JfDtype %d, head_dim %d, head_dim_v %d "
                 "(check jax_flash_fwd_sm90_can_implement first)",
@@ -193,22 +171,28 @@ int Validate(const JfFwdArgs* args, char* err, size_t err_len) {
                 "seqlen_k == 0; see jax_flash_fwd_sm90_can_implement)");
   }
   const bool has_q = p.batch > 0 && p.seqlen_q > 0;
+  const bool seg = p.has_segments == 1;
   struct Operand {
     const char* name;
     const void* ptr;
+    bool needed;
     bool vector;
   } operands[] = {
-      {"q", args->q, true},          {"k", args->k, true},
-      {"v", args->v, true},          {"o", args->o, true},
-      {"lse", args->lse, false},     {"q_lens", args->q_lens, false},
-      {"kv_lens", args->kv_lens, false},
+      {"q", args->q, true, true},          {"k", args->k, true, true},
+      {"v", args->v, true, true},          {"o", args->o, true, true},
+      {"lse", args->lse, true, false},     {"q_lens", args->q_lens, true, false},
+      {"kv_lens", args->kv_lens, true, false},
+      {"q_segment_ids", args->q_segment_ids, seg, false},
+      {"kv_segment_ids", args->kv_segment_ids, seg, false},
+      {"kv_bounds", args->kv_bounds, seg, false},
   };
   if (!has_q) return 0;
   for (const Operand& op : operands) {
+    if (!op.needed) continue;
     if (op.ptr == nullptr) {
       return Fail(err, err_len, "jax_flash_fwd_sm90: %s is null", op.name);
     }
-    if (op.vector && Misaligned(op.ptr)) {
+    if (op.vector && !jax_flash_launch::IsAligned(op.ptr, kOperandAlign)) {
       return Fail(err, err_len, "jax_flash_fwd_sm90: %s must be %d-byte aligned", op.name,
                   static_cast<int>(kOperandAlign));
     }
@@ -240,7 +224,7 @@ extern "C" int jax_flash_fwd_sm90(const JfFwdArgs* args, void* stream, char* err
     return Fail(err, err_len,
                 "jax_flash_fwd_sm90: device %d is not compute capability 9.x", device);
   }
-  LaunchFn launch = FindVariant(p.dtype, p.head_dim, p.head_dim_v);
+  LaunchFn launch = FindVariant(p);
   if (int rc = launch(*args, static_cast<cudaStream_t>(stream), err, err_len)) return rc;
   e = cudaGetLastError();
   if (e != cudaSuccess) {
