@@ -156,3 +156,48 @@ def test_handler_rejects_inconsistent_buffers():
   lens = jax.device_put((jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32)), cpu)
   with pytest.raises(Exception, match=r"jax_flash: q_lens has 3 elements, expected 2"):
     jax.block_until_ready(ffi.forward(q, k, v, *lens, *ffi.no_segments(q), call))
+
+
+@pytest.mark.parametrize("segment_ids,match", [
+    (jnp.zeros((2, 15), jnp.int32), r"q_segment_ids must have shape \(2, 16\), got \(2, 15\)"),
+    (jnp.zeros((2, 16), jnp.float32), r"q_segment_ids must have dtype int32, got float32"),
+    ((jnp.zeros((2, 16), jnp.int32), jnp.zeros((2, 9), jnp.int32)),
+     r"kv_segment_ids must have shape \(2, 16\), got \(2, 9\)"),
+    ((jnp.zeros((2, 16), jnp.int32),) * 3,
+     r"segment_ids must be one \[batch, seq\] array or a \(q_segment_ids, kv_segment_ids\) pair, "
+     r"got a sequence of 3"),
+])
+def test_bad_segment_ids(segment_ids, match):
+  with pytest.raises(ValueError, match=match):
+    jax_flash.attention(*qkv(), segment_ids=segment_ids)
+
+
+def test_one_segment_array_needs_equal_lengths():
+  q, k, v = qkv(q_shape=(2, 8, 4, 64))
+  with pytest.raises(ValueError, match="one segment_ids array needs seq_q == seq_k; .* got "
+                                       "seq_q=8, seq_k=16"):
+    jax_flash.attention(q, k, v, segment_ids=jnp.zeros((2, 8), jnp.int32))
+
+
+@pytest.mark.parametrize("offsets,match", [
+    ([0, 5, 3], r"cu_seqlens_q must start at 0, never decrease and end at most at the 10 packed "
+                r"tokens, got \[0, 5, 3\]"),
+    ([1, 5], r"must start at 0.* got \[1, 5\]"),
+    ([0, 11], r"end at most at the 10 packed tokens, got \[0, 11\]"),
+    ([0], r"cu_seqlens_q must have shape \(num_docs \+ 1,\) with num_docs >= 1, got \(1,\)"),
+])
+def test_bad_varlen_offsets(offsets, match):
+  q = jnp.zeros((10, 4, 64))
+  with pytest.raises(ValueError, match=match):
+    jax_flash.varlen_attention(q, q, q, jnp.array(offsets, jnp.int32))
+
+
+def test_varlen_rank_and_causal_cross_documents():
+  q = jnp.zeros((10, 4, 64))
+  with pytest.raises(ValueError, match=r"q must have rank 3 \[total_tokens, heads, head_dim\], "
+                                       r"got shape \(1, 10, 4, 64\)"):
+    jax_flash.varlen_attention(q[None], q, q, jnp.array([0, 10], jnp.int32))
+  offsets = jnp.array([0, 4, 10], jnp.int32)
+  with pytest.raises(NotImplementedError, match="causal or windowed varlen attention needs the "
+                                                "documents of q and k to coincide"):
+    jax_flash.varlen_attention(q, q, q, offsets, offsets, causal=True)
