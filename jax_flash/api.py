@@ -49,7 +49,8 @@ def select_backend(implementation, platform: str, dtype, shapes: validation.Shap
 
 
 def _attention(q, k, v, shapes, *, scale, diag_offset, window_left, window_right, q_lens,
-               kv_lens, implementation, segment_ids=(None, None)):
+               kv_lens, implementation, segment_ids=(None, None), softcap=0.0,
+               deterministic=False):
   backend = select_backend(implementation, _platform_of(q, k, v), jnp.result_type(q), shapes)
   empty = 0 in (shapes.batch, shapes.seq_q, shapes.seq_k, shapes.heads_q)
   q_segment_ids, kv_segment_ids = segment_ids
@@ -57,7 +58,7 @@ def _attention(q, k, v, shapes, *, scale, diag_offset, window_left, window_right
     return reference.attention_reference(
         q, k, v, scale=scale, diag_offset=diag_offset, window_left=window_left,
         window_right=window_right, q_lens=q_lens, kv_lens=kv_lens,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softcap=softcap)
   if q_lens is None:
     q_lens = jnp.full((shapes.batch,), shapes.seq_q, jnp.int32)
   if kv_lens is None:
@@ -68,12 +69,14 @@ def _attention(q, k, v, shapes, *, scale, diag_offset, window_left, window_right
     bounds = segments.segment_bounds(q_segment_ids, kv_segment_ids)
     segment_operands = ffi.segment_operands(q_segment_ids, kv_segment_ids, *bounds)
   call = ffi.KernelCall(backend=backend, scale=scale, diag_offset=diag_offset,
-                        window_left=window_left, window_right=window_right)
+                        window_left=window_left, window_right=window_right, softcap=softcap,
+                        deterministic=deterministic)
   return vjp.flash_attention(q, k, v, q_lens, kv_lens, *segment_operands, call)
 
 
 def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None = None,
               query_seq_lengths=None, key_value_seq_lengths=None, segment_ids=None,
+              softcap: float | None = None, deterministic: bool = False,
               return_lse: bool = False, implementation: str | None = None):
   """FlashAttention: ``softmax(scale * q k^T + mask) v`` without the score matrix.
 
@@ -103,6 +106,11 @@ def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None
       between documents, so a packed row costs about the sum of its
       documents' work. Ids need not be sorted, but back-to-back documents
       skip best.
+    softcap: cap the logits smoothly, ``softcap * tanh(logit / softcap)``
+      with ``logit = scale * q.k`` (Gemma 2, Grok); ``None`` for no cap.
+    deterministic: make the backward bitwise reproducible from run to run.
+      The GPU backward then adds each query tile's dQ contributions in a
+      fixed order (README: its measured cost); the CPU kernels always are.
     return_lse: also return the log-sum-exp of the scaled, masked logits,
       float32 ``[batch, heads_q, seq_q]`` (``-inf`` for rows that see no key).
     implementation: ``None`` (default) runs the kernels of the platform the
@@ -127,12 +135,15 @@ def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None
       kv_lens=validation.check_lengths(key_value_seq_lengths, "key_value_seq_lengths",
                                        shapes.batch),
       segment_ids=validation.check_segment_ids(segment_ids, shapes),
+      softcap=validation.check_softcap(softcap),
+      deterministic=validation.check_flag(deterministic, "deterministic"),
       implementation=implementation)
   return (out, lse) if return_lse else out
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal: bool = False,
-                     window=None, scale: float | None = None, return_lse: bool = False,
+                     window=None, scale: float | None = None, softcap: float | None = None,
+                     deterministic: bool = False, return_lse: bool = False,
                      implementation: str | None = None):
   """Attention over a ragged batch packed into one sequence (FlashAttention's
   varlen interface).
@@ -147,8 +158,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal: bool =
       ``q`` (self-attention, the only case where ``causal``/``window`` apply:
       each document is then causal on its own).
 
-  Returns ``out [total_q, heads_q, head_dim_v]`` (and ``lse [heads_q,
-  total_q]``), differentiable like ``attention``.
+  ``softcap`` and ``deterministic`` are those of ``attention``. Returns
+  ``out [total_q, heads_q, head_dim_v]`` (and ``lse [heads_q, total_q]``),
+  differentiable like ``attention``.
   """
   for name, x in (("q", q), ("k", k), ("v", v)):
     if jnp.ndim(x) != 3:
@@ -168,7 +180,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal: bool =
                                 "and k to coincide; pass cu_seqlens_k=None")
   ids = segments.varlen_segment_ids(cu_seqlens_q, total_q, cu_seqlens_k, total_k)
   result = attention(q[None], k[None], v[None], causal=causal, window=window, scale=scale,
-                     segment_ids=(ids[0][None], ids[1][None]), return_lse=return_lse,
+                     segment_ids=(ids[0][None], ids[1][None]), softcap=softcap,
+                     deterministic=deterministic, return_lse=return_lse,
                      implementation=implementation)
   if return_lse:
     return result[0][0], result[1][0]

@@ -25,7 +25,13 @@ import numpy as np
 
 from jax_flash import _cpu_ffi
 
-_ABI_VERSION = "v1"
+_ABI_VERSION = "v2"
+# Versions whose handlers stay registered for serialized exports (v1: no
+# softcap, no deterministic backward).
+_OLD_ABI_VERSIONS = ("v1",)
+# Query rows per dq_semaphore entry (kernel_api.h: the smallest query tile of
+# the GPU backward kernels).
+_SEMAPHORE_ROWS = 32
 _LIBRARY_DIR = pathlib.Path(_cpu_ffi.__file__).resolve().parent
 _CUDA_LIBRARY_NAME = "libjax_flash_cuda.so"
 
@@ -44,19 +50,26 @@ class KernelCall:
   diag_offset: int
   window_left: int  # -1: unbounded
   window_right: int  # -1: unbounded
+  softcap: float = 0.0  # > 0: logits are softcap * tanh(logit / softcap)
+  deterministic: bool = False  # backward: bitwise reproducible dQ
 
-  def attributes(self) -> dict:
-    return dict(scale=np.float32(self.scale), diag_offset=np.int32(self.diag_offset),
-                window_left=np.int32(self.window_left), window_right=np.int32(self.window_right))
+  def attributes(self, direction: str) -> dict:
+    attrs = dict(scale=np.float32(self.scale), diag_offset=np.int32(self.diag_offset),
+                 window_left=np.int32(self.window_left), window_right=np.int32(self.window_right),
+                 softcap=np.float32(self.softcap))
+    if direction == "bwd":
+      attrs["deterministic"] = np.int32(self.deterministic)
+    return attrs
 
 
-def _target(backend: str, direction: str) -> str:
-  return f"jax_flash_{backend}_{direction}_{_ABI_VERSION}"
+def _target(backend: str, direction: str, version: str = _ABI_VERSION) -> str:
+  return f"jax_flash_{backend}_{direction}_{version}"
 
 
 def _register_cpu() -> None:
-  for direction, capsule in _cpu_ffi.registrations().items():
-    jax.ffi.register_ffi_target(_target("cpu", direction), capsule, platform="cpu")
+  for name, capsule in _cpu_ffi.registrations().items():
+    direction, version = name.split("_")
+    jax.ffi.register_ffi_target(_target("cpu", direction, version), capsule, platform="cpu")
 
 
 def _find_cuda_library() -> pathlib.Path | None:
@@ -83,6 +96,9 @@ def _register_cuda() -> pathlib.Path | None:
   for direction, symbol in (("fwd", "JaxFlashFwdCuda"), ("bwd", "JaxFlashBwdCuda")):
     capsule = jax.ffi.pycapsule(getattr(library, symbol))
     jax.ffi.register_ffi_target(_target("gpu", direction), capsule, platform="CUDA")
+    for version in _OLD_ABI_VERSIONS:
+      capsule = jax.ffi.pycapsule(getattr(library, symbol + version.upper()))
+      jax.ffi.register_ffi_target(_target("gpu", direction, version), capsule, platform="CUDA")
   return path
 
 
@@ -128,20 +144,26 @@ def forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call: 
   )
   kernel = jax.ffi.ffi_call(_target(call.backend, "fwd"), out_types, vmap_method="broadcast_all")
   return kernel(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds,
-                **call.attributes())
+                **call.attributes("fwd"))
 
 
 def backward(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds,
              call: KernelCall):
   """Runs the backward kernel: returns (dq f32, dk, dv)."""
+  *batch, seq_q, heads_q, _ = q.shape
+  # The deterministic GPU kernels order their dQ additions through this
+  # scratch; otherwise it is empty.
+  tiles = -(-seq_q // _SEMAPHORE_ROWS) if call.deterministic else 0
   out_types = (
       jax.ShapeDtypeStruct(q.shape, jnp.float32),
       jax.ShapeDtypeStruct(k.shape, k.dtype),
       jax.ShapeDtypeStruct(v.shape, v.dtype),
+      jax.ShapeDtypeStruct((*batch, heads_q, tiles), jnp.int32),
   )
   kernel = jax.ffi.ffi_call(_target(call.backend, "bwd"), out_types, vmap_method="broadcast_all")
-  return kernel(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds,
-                **call.attributes())
+  dq, dk, dv, _ = kernel(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_bounds,
+                         q_bounds, **call.attributes("bwd"))
+  return dq, dk, dv
 
 
 @functools.cache

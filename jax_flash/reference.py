@@ -39,14 +39,15 @@ def visible_mask(seq_q: int, seq_k: int, *, diag_offset: int, window_left: int,
 
 def attention_reference(q, k, v, *, scale: float, diag_offset: int = 0, window_left: int = -1,
                         window_right: int = -1, q_lens=None, kv_lens=None, q_segment_ids=None,
-                        kv_segment_ids=None, compute_dtype=None):
+                        kv_segment_ids=None, softcap: float = 0.0, compute_dtype=None):
   """Masked softmax attention; returns (out [B,T,N,Hv], lse [B,N,T] float32).
 
   ``compute_dtype=None`` multiplies in the input dtype with float32
   accumulation and a float32 softmax (what a naive implementation does);
   ``jnp.float32`` / ``jnp.float64`` upcast everything first (the reference).
   Rows that see no key give a zero output and an lse of -inf, with finite
-  gradients.
+  gradients. ``softcap > 0`` caps the logits: ``softcap * tanh(logit /
+  softcap)``.
   """
   out_dtype = q.dtype
   if compute_dtype is not None:
@@ -58,6 +59,9 @@ def attention_reference(q, k, v, *, scale: float, diag_offset: int = 0, window_l
   qg = q.reshape(batch, seq_q, heads_kv, group, head_dim)
   scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=acc_dtype)
   scores = scores.astype(acc_dtype) * jnp.asarray(scale, acc_dtype)
+  if softcap:
+    cap = jnp.asarray(softcap, acc_dtype)
+    scores = cap * jnp.tanh(scores / cap)
   visible = visible_mask(seq_q, seq_k, diag_offset=diag_offset, window_left=window_left,
                          window_right=window_right, q_lens=q_lens, kv_lens=kv_lens,
                          q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)

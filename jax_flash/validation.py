@@ -68,6 +68,26 @@ def check_scale(scale, head_dim: int) -> float:
   return value
 
 
+def check_softcap(softcap) -> float:
+  """0.0 for no cap, else the positive finite cap."""
+  if softcap is None:
+    return 0.0
+  try:
+    value = float(softcap)
+  except TypeError:
+    raise ValueError(f"softcap must be None or a Python number (it is a static kernel "
+                     f"parameter), got {type(softcap).__name__}") from None
+  if not (math.isfinite(value) and value > 0):
+    raise ValueError(f"softcap must be None or a finite number > 0, got {value}")
+  return value
+
+
+def check_flag(value, name: str) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"{name} must be a bool, got {value!r}")
+  return bool(value)
+
+
 def check_window(window, name: str) -> tuple[int, int]:
   """(left, right) with -1 for an unbounded side; accepts None entries."""
   if window is None:

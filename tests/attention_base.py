@@ -65,14 +65,15 @@ class AttentionTestBase:
 
   def check(self, *, batch=2, seq_q=113, seq_k=241, heads_q=4, heads_kv=2, head_dim=64,
             dtype=jnp.bfloat16, causal=False, window=None, q_lens=None, kv_lens=None,
-            segment_ids=None, seed=0):
+            segment_ids=None, softcap=None, deterministic=False, seed=0):
     q, k, v, dout = numerics.random_qkv(seed, batch, seq_q, seq_k, heads_q, heads_kv, head_dim,
                                         dtype)
     scale = 1.0 / np.sqrt(head_dim)
     got = run_attention(q, k, v, dout, self.implementation, causal=causal, window=window,
                         query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
-                        segment_ids=segment_ids)
+                        segment_ids=segment_ids, softcap=softcap, deterministic=deterministic)
     mask = mask_kwargs(seq_q, seq_k, causal, window, q_lens, kv_lens, segment_ids)
+    mask["softcap"] = softcap or 0.0
     ref = numerics.float64_reference(q, k, v, dout, scale=scale, **mask)
     naive = numerics.naive(q, k, v, dout, scale=scale, **mask)
     for name, g, r, n in zip(("out", "lse", "dq", "dk", "dv"), got, ref, naive):
@@ -131,6 +132,36 @@ class AttentionTestBase:
       chex.assert_trees_all_equal(first[:2], again[:2])
       if self.deterministic_backward:
         chex.assert_trees_all_equal(first[2:], again[2:])
+
+  @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+  def test_softcap(self, dtype, head_dim, causal):
+    # A cap of 1.5 bends most logits of unit-variance scores (tanh is far from
+    # linear there), so a kernel that skipped it or its gradient would fail.
+    self.check(dtype=dtype, head_dim=head_dim, causal=causal, softcap=1.5, seq_q=150,
+               seq_k=333)
+
+  def test_softcap_with_documents_and_window(self):
+    ids = packed_segment_ids(14, batch=2, seq=260, num_docs=3)
+    self.check(seq_q=260, seq_k=260, segment_ids=ids, window=(70, 0), softcap=3.0,
+               dtype=self.dtypes[0])
+
+  @pytest.mark.parametrize("case", ["causal_gqa", "window", "documents", "lengths"])
+  def test_deterministic_backward(self, case):
+    kwargs = {"causal_gqa": dict(causal=True),
+              "window": dict(window=(200, 30)),
+              "documents": dict(causal=True,
+                                segment_ids=packed_segment_ids(15, batch=2, seq=700, num_docs=4)),
+              "lengths": dict(q_lens=jnp.array([700, 321], jnp.int32),
+                              kv_lens=jnp.array([555, 700], jnp.int32))}[case]
+    first = self.check(seq_q=700, seq_k=700, heads_q=8, heads_kv=2, head_dim=self.head_dims[0],
+                       dtype=self.dtypes[0], deterministic=True, **kwargs)
+    q, k, v, dout = numerics.random_qkv(0, 2, 700, 700, 8, 2, self.head_dims[0], self.dtypes[0])
+    mask = {name: value for name, value in kwargs.items() if name not in ("q_lens", "kv_lens")}
+    if "q_lens" in kwargs:
+      mask.update(query_seq_lengths=kwargs["q_lens"], key_value_seq_lengths=kwargs["kv_lens"])
+    for _ in range(9):
+      again = run_attention(q, k, v, dout, self.implementation, deterministic=True, **mask)
+      chex.assert_trees_all_equal(first, again)
 
   def test_lse_gradient(self):
     q, k, v, _ = numerics.random_qkv(4, 1, 50, 70, 2, 1, self.head_dims[0], self.dtypes[0])
@@ -207,16 +238,16 @@ class AttentionTestBase:
   def test_documents_are_independent(self):
     ids = packed_segment_ids(11, batch=1, seq=256, num_docs=4)
     q, k, v, dout = numerics.random_qkv(12, 1, 256, 256, 4, 2, self.head_dims[0], self.dtypes[0])
-    first = run_attention(q, k, v, dout, self.implementation, causal=True, segment_ids=ids)
+    # The deterministic backward makes dQ's order of additions fixed too.
+    first = run_attention(q, k, v, dout, self.implementation, causal=True, segment_ids=ids,
+                          deterministic=True)
     changed = ids[0] == 2
     bump = lambda x: jnp.where(changed[None, :, None, None], x * 2 + 1, x)
     second = run_attention(bump(q), bump(k), bump(v), bump(dout), self.implementation,
-                           causal=True, segment_ids=ids)
+                           causal=True, segment_ids=ids, deterministic=True)
     keep = ~np.asarray(changed)
     names = ("out", "lse", "dq", "dk", "dv")
     for name, a, b in zip(names, first, second):
-      if name == "dq" and not self.deterministic_backward:
-        continue  # accumulated with atomics: equal up to the order of additions
       token_axis = 2 if a.ndim == 3 else 1  # lse is [B, N, T]
       chex.assert_trees_all_equal(np.compress(keep, a, axis=token_axis),
                                   np.compress(keep, b, axis=token_axis))

@@ -74,6 +74,34 @@ def test_bad_scale():
     jax_flash.attention(*qkv(), scale=jnp.ones(3))
 
 
+@pytest.mark.parametrize("softcap,match", [
+    (-1.0, r"softcap must be None or a finite number > 0, got -1.0"),
+    (0, r"softcap must be None or a finite number > 0, got 0.0"),
+    (float("inf"), r"softcap must be None or a finite number > 0, got inf"),
+    (jnp.ones(2), r"softcap must be None or a Python number .* got ArrayImpl"),
+])
+def test_bad_softcap(softcap, match):
+  with pytest.raises(ValueError, match=match):
+    jax_flash.attention(*qkv(), softcap=softcap)
+
+
+def test_bad_deterministic():
+  with pytest.raises(ValueError, match=r"deterministic must be a bool, got 'yes'"):
+    jax_flash.attention(*qkv(), deterministic="yes")
+
+
+def test_handler_rejects_bad_options():
+  """Options reaching the handler unchecked (a hand-built call) still fail cleanly."""
+  from jax_flash import ffi
+  cpu = jax.devices("cpu")[0]
+  q, k, v = jax.device_put(qkv(), cpu)
+  call = ffi.KernelCall(backend="cpu", scale=0.125, diag_offset=0, window_left=-1,
+                        window_right=-1, softcap=-2.0)
+  lens = jax.device_put((jnp.full((2,), 16, jnp.int32),) * 2, cpu)
+  with pytest.raises(Exception, match=r"jax_flash: softcap must be finite and >= 0"):
+    jax.block_until_ready(ffi.forward(q, k, v, *lens, *ffi.no_segments(q), call))
+
+
 def test_unknown_implementation():
   with pytest.raises(ValueError, match=r"implementation must be one of .*, got 'triton'"):
     jax_flash.attention(*qkv(), implementation="triton")

@@ -4,7 +4,7 @@ The kernels are XLA FFI custom calls, which ``jax.export`` refuses to
 serialize unless each target is allowed with
 ``jax.export.DisabledSafetyCheck.custom_call(name)``: JAX vouches only for
 its own targets. jax_flash keeps its side of the bargain by versioning the
-names (``jax_flash_cpu_fwd_v1``): a changed handler signature gets a new name
+names (``jax_flash_cpu_fwd_v2``): a changed handler signature gets a new name
 and the old one stays registered, so a serialized module keeps resolving.
 """
 
@@ -20,7 +20,7 @@ import jax_flash
 # jax.export's serialization needs flatbuffers (not a jax dependency).
 pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
 
-TARGETS = ("jax_flash_cpu_fwd_v1", "jax_flash_cpu_bwd_v1")
+TARGETS = ("jax_flash_cpu_fwd_v2", "jax_flash_cpu_bwd_v2")
 ALLOW_KERNELS = [export.DisabledSafetyCheck.custom_call(name) for name in TARGETS]
 
 
@@ -82,9 +82,44 @@ def test_restored_forward_is_differentiable():
   exported = export.export(jax.jit(fn), platforms=["cpu"], disabled_checks=ALLOW_KERNELS)(
       q, k, v)
   restored = export.deserialize(exported.serialize(vjp_order=1))
-  assert "custom_call @jax_flash_cpu_bwd_v1" in restored.vjp().mlir_module()
+  assert "custom_call @jax_flash_cpu_bwd_v2" in restored.vjp().mlir_module()
   dout = jax.random.normal(jax.random.key(2), q.shape, q.dtype)
   got = jax.vjp(restored.call, q, k, v)[1](dout)
   want = jax.vjp(fn, q, k, v)[1](dout)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, atol=1e-6, rtol=1e-6)
+
+
+def test_modules_exported_before_v2_keep_running():
+  """A module serialized with ABI v1 calls jax_flash_cpu_{fwd,bwd}_v1 with
+  v1's operands and attributes (no softcap, no deterministic, three backward
+  outputs); those handlers stay registered and agree with today's call."""
+  from jax_flash import ffi
+
+  q, k, v = qkv(seed=3)
+  lens = (jnp.full((2,), q.shape[1], jnp.int32), jnp.full((2,), k.shape[1], jnp.int32))
+  call = ffi.KernelCall("cpu", 0.25, k.shape[1] - q.shape[1], -1, 0)
+  v1_attrs = {name: value for name, value in call.attributes("fwd").items() if name != "softcap"}
+
+  def v1_forward_backward(q, k, v):
+    out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((2, q.shape[2], q.shape[1]), jnp.float32))
+    out, lse = jax.ffi.ffi_call("jax_flash_cpu_fwd_v1", out_types)(
+        q, k, v, *lens, *ffi.no_segments(q), **v1_attrs)
+    delta = jnp.einsum("btnh,btnh->bnt", out, out)
+    grad_types = (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                  jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+    grads = jax.ffi.ffi_call("jax_flash_cpu_bwd_v1", grad_types)(
+        q, k, v, out, lse, delta, *lens, *ffi.no_segments(q), **v1_attrs)
+    return out, lse, *grads
+
+  v1_targets = [export.DisabledSafetyCheck.custom_call(f"jax_flash_cpu_{d}_v1")
+                for d in ("fwd", "bwd")]
+  exported = export.export(jax.jit(v1_forward_backward), platforms=["cpu"],
+                           disabled_checks=v1_targets)(q, k, v)
+  got = export.deserialize(exported.serialize()).call(q, k, v)
+
+  out, lse = ffi.forward(q, k, v, *lens, *ffi.no_segments(q), call)
+  delta = jnp.einsum("btnh,btnh->bnt", out, out)
+  want = (out, lse, *ffi.backward(q, k, v, out, lse, delta, *lens, *ffi.no_segments(q), call))
+  chex.assert_trees_all_equal(got, want)

@@ -14,7 +14,7 @@ import jax_flash.nn
 FEATURES = 32
 HEADS = 4
 TOLERANCE = dict(atol=2e-5, rtol=2e-5)
-KERNEL_TARGET = "jax_flash_cpu_fwd_v1"
+KERNEL_TARGET = "jax_flash_cpu_fwd_v2"
 
 
 def uses_kernels(fn, *args) -> bool:

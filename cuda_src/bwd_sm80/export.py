@@ -10,7 +10,7 @@ bwd_sm80_variants_<arch>.h with one X-macro per kind for launch.cc.
 Runtime scalars are plain kernel parameters: export_to_c supports Float32 and
 Int32 arguments and maps them to `float` / `int32_t` parameters of the C
 wrapper (verified on 4.8.1), so nothing has to travel through device memory.
-The wrapper takes (scale, key_lo, key_hi); launch.cc derives the key bounds
+The wrapper takes (scale, softcap, key_lo, key_hi, deterministic); launch.cc derives the key bounds
 from diag_offset and the window.
 """
 
@@ -66,8 +66,10 @@ def _compile_variant(dtype, head_dim, arch, has_segments):
         segments = (fake.segment_ids(fake.seqlen_q), fake.segment_ids(fake.seqlen_k), q_bounds)
     kernel = FlashBwdSm80(dtype, head_dim, arch, has_segments)
     return cute.compile(
-        kernel, q, k, v, do, lse, delta, q_lens, kv_lens, dq, dk, dv,
-        cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), stream, *segments,
+        kernel, q, k, v, do, lse, delta, q_lens, kv_lens, dq, dk, dv, fake.dq_semaphore(),
+        # scale, softcap, key_lo, key_hi, deterministic
+        cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0),
+        stream, *segments,
     )
 
 

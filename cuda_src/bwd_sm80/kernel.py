@@ -33,6 +33,12 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from common.dsl_common import (
     WARP_SIZE,
+    cap_scores_with_slope,
+    first_kv_block_seeing,
+    logit_scales,
+    query_tile_of,
+    release_add_s32,
+    wait_at_least,
     m16n8_acc_as_rows_cols,
     red_add_v2_f32,
     segment_bounds_union,
@@ -148,9 +154,12 @@ class FlashBwdSm80:
         mdQ: cute.Tensor,  # [B, T, Hq, D] f32, zeroed by the caller
         mdK: cute.Tensor,  # [B, S, Hkv, D]
         mdV: cute.Tensor,  # [B, S, Hkv, D]
+        mDqSem: cute.Tensor,  # [B, Hq, ceil(T / 32)] i32, zeroed; deterministic only
         scale: Float32,
+        softcap: Float32,
         key_lo: Int32,
         key_hi: Int32,
+        deterministic: Int32,
         stream: cuda.CUstream,
         mQSeg: Optional[cute.Tensor] = None,  # [B, T] i32, segment variant only
         mKVSeg: Optional[cute.Tensor] = None,  # [B, S] i32
@@ -199,8 +208,8 @@ class FlashBwdSm80:
 
         grid = (cute.ceil_div(mK.shape[1], N), mK.shape[2], mK.shape[0])
         self.kernel(
-            mQ, mK, mV, mdO, mLSE, mDelta, mQLens, mKVLens, mdQ, mdK, mdV,
-            scale, scale * LOG2E, key_lo, key_hi, mQSeg, mKVSeg, mQBounds,
+            mQ, mK, mV, mdO, mLSE, mDelta, mQLens, mKVLens, mdQ, mdK, mdV, mDqSem,
+            scale, softcap, key_lo, key_hi, deterministic, mQSeg, mKVSeg, mQBounds,
             sQ_layout, sKV_layout, sPdS_layout, sStat_layout,
             gmem_copy_tile, gmem_store_tile, gmem_copy_stat,
             self._tiled_mma(self.atoms_sdp), self._tiled_mma(self.atoms_dkv), self._tiled_mma(self.atoms_dq),
@@ -213,8 +222,8 @@ class FlashBwdSm80:
         self,
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
         mLSE: cute.Tensor, mDelta: cute.Tensor, mQLens: cute.Tensor, mKVLens: cute.Tensor,
-        mdQ: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-        scale: Float32, scale_log2: Float32, lo: Int32, hi: Int32,
+        mdQ: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mDqSem: cute.Tensor,
+        scale: Float32, softcap: Float32, lo: Int32, hi: Int32, deterministic: Int32,
         mQSeg: Optional[cute.Tensor], mKVSeg: Optional[cute.Tensor], mQBounds: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
         sPdS_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
@@ -225,6 +234,7 @@ class FlashBwdSm80:
         D, M, N = self.head_dim, self.m_block, self.n_block
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_head, batch = cute.arch.block_idx()
+        scale_log2, softcap_in = logit_scales(scale, softcap)
         seqlen_q = mQ.shape[1]
         seqlen_k = mK.shape[1]
         group = mQ.shape[2] // mK.shape[2]
@@ -245,8 +255,12 @@ class FlashBwdSm80:
                 mQBounds, storage.sSegRange.get_tensor(cute.make_layout(2 * (NUM_THREADS // WARP_SIZE))),
                 batch, n0, n_last, tidx, self.n_block, NUM_THREADS // WARP_SIZE,
             )
-            row_begin = cutlass.max(row_begin, seg_begin)
-            row_end = cutlass.min(row_end, seg_end)
+            # The deterministic order needs the CTAs that visit a query tile
+            # to be consecutive, which the mask geometry guarantees and the
+            # documents' bounds do not: it visits every geometric tile.
+            if deterministic == 0:
+                row_begin = cutlass.max(row_begin, seg_begin)
+                row_end = cutlass.min(row_end, seg_end)
         m_block_min = row_begin // M
         m_blocks = Int32(0)
         if n_last >= n0 and row_end > row_begin:
@@ -338,7 +352,7 @@ class FlashBwdSm80:
             self._load_rows(gmem_copy_tile, gmem_thr, mK[batch, None, kv_head, None], sK, n_block, seqlen_k, N)
             self._load_rows(gmem_copy_tile, gmem_thr, mV[batch, None, kv_head, None], sV, n_block, seqlen_k, N)
             self._load_q_tile(
-                0, m_blocks, m_block_min, kv_head, group, batch, 0, mQ, mdO, mLSE, mDelta, sLSE, sDelta,
+                0, m_blocks, m_block_min, deterministic, kv_head, group, batch, 0, mQ, mdO, mLSE, mDelta, sLSE, sDelta,
                 gmem_copy_tile, gmem_thr, gmem_copy_stat, tQcQ, tQsQ, tdOsdO, seqlen_q, tidx,
             )
         cute.arch.cp_async_commit_group()
@@ -347,15 +361,14 @@ class FlashBwdSm80:
             stage = it % 2
             if it + 1 < n_iters:
                 self._load_q_tile(
-                    it + 1, m_blocks, m_block_min, kv_head, group, batch, 1 - stage, mQ, mdO, mLSE, mDelta,
+                    it + 1, m_blocks, m_block_min, deterministic, kv_head, group, batch, 1 - stage, mQ, mdO, mLSE, mDelta,
                     sLSE, sDelta, gmem_copy_tile, gmem_thr, gmem_copy_stat, tQcQ, tQsQ, tdOsdO, seqlen_q, tidx,
                 )
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(1)
             cute.arch.barrier()
 
-            head = kv_head * group + it // m_blocks
-            m_block = m_block_min + it % m_blocks
+            head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, deterministic)
             m0 = m_block * M
 
             # S = Q K^T, then P in place.
@@ -367,6 +380,8 @@ class FlashBwdSm80:
             acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((M, N)), Float32)
             acc_S.fill(0.0)
             self._gemm(mma_sdp, acc_S, tSrQ, tSrK, tSsQ[None, None, None, stage], tSsK, s2r_sdp_A, s2r_sdp_B, tidx)
+            acc_slope = cute.make_fragment_like(acc_S)
+            cap_scores_with_slope(acc_S, acc_slope, softcap_in)
             acc_S_mn = m16n8_acc_as_rows_cols(acc_S)
             for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                 row = tScS[r, 0][0]
@@ -397,6 +412,8 @@ class FlashBwdSm80:
             for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
                 delta = sDelta[tScS[r, 0][0], stage]
                 acc_dP_mn[r, None].store(acc_S_mn[r, None].load() * (acc_dP_mn[r, None].load() - delta))
+            if softcap_in > Float32(0.0):
+                acc_dP.store(acc_dP.load() * acc_slope.load())
 
             rP = cute.make_fragment_like(acc_S, self.dtype)
             rP.store(acc_S.load().to(self.dtype))
@@ -415,6 +432,12 @@ class FlashBwdSm80:
             gdQ = cute.local_tile(mdQ[batch, None, head, None], (M, D), (m_block, 0))
             tdQgdQ = thr_dq.partition_C(gdQ)
             rows_left = seqlen_q - m0
+            turn = mDqSem.iterator + cute.crd2idx((batch, head, m_block), mDqSem.layout)
+            if deterministic != 0:
+                # Wait until the KV tiles before this one have added their dQ.
+                if tidx == 0:
+                    wait_at_least(turn, n_block - first_kv_block_seeing(m_block, M, N, lo))
+                cute.arch.barrier()
             # Accumulator elements 2k and 2k+1 are adjacent columns of one row.
             width = self.dq_atomic_width
             for i in cutlass.range_constexpr(0, cute.size(acc_dQ), width):
@@ -426,6 +449,8 @@ class FlashBwdSm80:
                         cute.arch.atomic_add(ptr, acc_dQ[i] * scale)
             # Next iteration overwrites sP/sdS and the stage read here.
             cute.arch.barrier()
+            if deterministic != 0 and tidx == 0:
+                release_add_s32(turn, Int32(1))
 
         # ---- epilogue: dK, dV through the (now free) K and V buffers.
         cute.arch.cp_async_wait_group(0)
@@ -475,13 +500,12 @@ class FlashBwdSm80:
 
     @cute.jit
     def _load_q_tile(
-        self, it, m_blocks, m_block_min, kv_head, group, batch, stage, mQ, mdO, mLSE, mDelta, sLSE, sDelta,
+        self, it, m_blocks, m_block_min, deterministic, kv_head, group, batch, stage, mQ, mdO, mLSE, mDelta, sLSE, sDelta,
         gmem_copy_tile, gmem_thr, gmem_copy_stat, tQcQ, tQsQ, tdOsdO, seqlen_q, tidx,
     ):
         """Issue the cp.async loads of Q, dO, lse and delta for iteration `it` into `stage`."""
         M = self.m_block
-        head = kv_head * group + it // m_blocks
-        m_block = m_block_min + it % m_blocks
+        head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, deterministic)
         rows_left = seqlen_q - m_block * M
         gQ = cute.local_tile(mQ[batch, None, head, None], (M, self.head_dim), (m_block, 0))
         gdO = cute.local_tile(mdO[batch, None, head, None], (M, self.head_dim), (m_block, 0))
@@ -505,4 +529,5 @@ class FlashBwdSm80:
             else:
                 sLSE[tidx, stage] = Float32.inf
                 sDelta[tidx, stage] = Float32(0.0)
+
 

@@ -98,6 +98,7 @@ extern "C" int jax_flash_bwd_sm80(const JfBwdArgs* args, void* stream_ptr, char*
                 p.head_dim);
   if (!(p.scale == p.scale) || p.scale == INFINITY || p.scale == -INFINITY)
     return Fail(err, err_len, "jax_flash_bwd_sm80: scale must be finite");
+  if (jax_flash_launch::CheckOptions(p, "jax_flash_bwd_sm80", err, err_len) != 0) return 1;
   if (p.has_segments != 0 && p.has_segments != 1)
     return Fail(err, err_len, "jax_flash_bwd_sm80: has_segments must be 0 or 1, got %d", p.has_segments);
   if (p.heads_kv > 65535 || p.batch > 65535)

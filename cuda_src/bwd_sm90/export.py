@@ -8,7 +8,7 @@ bwd_sm90_variants_<arch>.h with an X-macro over all of them for launch.cc.
 Runtime scalars are plain kernel parameters: export_to_c supports Float32 and
 Int32 arguments and maps them to `float` / `int32_t` parameters of the C
 wrapper (verified on 4.8.1), so nothing has to travel through device memory.
-The wrapper takes (scale, key_lo, key_hi); launch.cc derives the key bounds
+The wrapper takes (scale, softcap, key_lo, key_hi, deterministic); launch.cc derives the key bounds
 from diag_offset and the window. Symbols are prefixed jf_bwd90_ so they never
 clash with the sm80 family's own sm_90a objects (jf_bwd_sm90a_*).
 """
@@ -60,8 +60,10 @@ def _compile_variant(dtype, head_dim):
     stream = cutlass.runtime.make_fake_stream()
     kernel = FlashBwdSm90(dtype, head_dim)
     return cute.compile(
-        kernel, q, k, v, do, lse, delta, q_lens, kv_lens, dq, dk, dv,
-        cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), stream,
+        kernel, q, k, v, do, lse, delta, q_lens, kv_lens, dq, dk, dv, fake.dq_semaphore(),
+        # scale, softcap, key_lo, key_hi, deterministic
+        cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0),
+        stream,
     )
 
 

@@ -34,7 +34,17 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from common.dsl_common import red_add_v2_f32, store_existing_rows, zero_outside_key_window
+from common.dsl_common import (
+    cap_scores_with_slope,
+    first_kv_block_seeing,
+    logit_scales,
+    query_tile_of,
+    red_add_v2_f32,
+    release_add_s32,
+    store_existing_rows,
+    wait_at_least,
+    zero_outside_key_window,
+)
 
 LOG2E = math.log2(math.e)
 WG_THREADS = 128
@@ -51,6 +61,7 @@ WGMMA_M = 64
 # Named barriers (0 is __syncthreads).
 BAR_PDS = 1  # P and dS of a query tile are in shared memory
 BAR_EPI = 2  # epilogue staging through sK / sV
+BAR_DQ_TURN = 3  # + WG index: a WG's deterministic dQ turn (3 and 4)
 
 
 @dataclass(frozen=True)
@@ -132,9 +143,12 @@ class FlashBwdSm90:
         mdQ: cute.Tensor,  # [B, T, Hq, D] f32, zeroed by the caller
         mdK: cute.Tensor,  # [B, S, Hkv, D]
         mdV: cute.Tensor,  # [B, S, Hkv, D]
+        mDqSem: cute.Tensor,  # [B, Hq, ceil(T / 32)] i32, zeroed; deterministic only
         scale: Float32,
+        softcap: Float32,
         key_lo: Int32,
         key_hi: Int32,
+        deterministic: Int32,
         stream: cuda.CUstream,
     ):
         """key_lo <= j - i <= key_hi for a visible (query i, key j) pair; the
@@ -189,8 +203,8 @@ class FlashBwdSm90:
         grid = (cute.ceil_div(mK.shape[1], N), mK.shape[2], mK.shape[0])
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
-            mLSE, mDelta, mQLens, mKVLens, mdQ, mdK, mdV,
-            scale, scale * LOG2E, key_lo, key_hi,
+            mLSE, mDelta, mQLens, mKVLens, mdQ, mdK, mdV, mDqSem,
+            scale, softcap, key_lo, key_hi, deterministic,
             sQ_layout, sK_layout, sV_layout, sPdS_layout,
             mma_sdp, mma_dkv, mma_dq, gmem_store_tile, SharedStorage,
         ).launch(grid=grid, block=[NUM_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
@@ -202,8 +216,8 @@ class FlashBwdSm90:
         tma_Q: cute.Tensor, tma_K: cute.Tensor, tma_V: cute.Tensor, tma_dO: cute.Tensor,
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, tma_atom_dO: cute.CopyAtom,
         mLSE: cute.Tensor, mDelta: cute.Tensor, mQLens: cute.Tensor, mKVLens: cute.Tensor,
-        mdQ: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-        scale: Float32, scale_log2: Float32, lo: Int32, hi: Int32,
+        mdQ: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mDqSem: cute.Tensor,
+        scale: Float32, softcap: Float32, lo: Int32, hi: Int32, deterministic: Int32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sPdS_layout: cute.ComposedLayout,
         mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
@@ -269,14 +283,15 @@ class FlashBwdSm90:
                 self._produce(
                     tma_Q, tma_K, tma_V, tma_dO, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
                     sQ, sK, sV, sdO, pipe, kv_bar, bytes_KV,
-                    n_block, kv_head, batch, group, m_block_min, m_blocks, n_iters,
+                    n_block, kv_head, batch, group, m_block_min, m_blocks, n_iters, deterministic,
                 )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            scale_log2, softcap_in = logit_scales(scale, softcap)
             self._consume(
-                mLSE, mDelta, mdQ, mdK, mdV, sQ, sK, sV, sdO, sP, sdS, pipe, kv_bar,
+                mLSE, mDelta, mdQ, mdK, mdV, mDqSem, sQ, sK, sV, sdO, sP, sdS, pipe, kv_bar,
                 mma_sdp, mma_dkv, mma_dq, gmem_store_tile,
-                scale, scale_log2, lo, hi, n_block, kv_head, batch, group,
+                scale, scale_log2, softcap_in, lo, hi, deterministic, n_block, kv_head, batch, group,
                 m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k,
             )
 
@@ -284,7 +299,7 @@ class FlashBwdSm90:
     def _produce(
         self, tma_Q, tma_K, tma_V, tma_dO, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
         sQ, sK, sV, sdO, pipe, kv_bar, bytes_KV,
-        n_block, kv_head, batch, group, m_block_min, m_blocks, n_iters,
+        n_block, kv_head, batch, group, m_block_min, m_blocks, n_iters, deterministic,
     ):
         D, M, N = self.head_dim, self.m_block, self.n_block
         if n_iters > 0:
@@ -303,8 +318,7 @@ class FlashBwdSm90:
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         for it in cutlass.range(n_iters, unroll=1):
-            head = kv_head * group + it // m_blocks
-            m_block = m_block_min + it % m_blocks
+            head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, deterministic)
             gQ = cute.local_tile(tma_Q[None, None, head, batch], (M, D), (None, 0))
             gdO = cute.local_tile(tma_dO[None, None, head, batch], (M, D), (None, 0))
             tQsQ, tQgQ = cpasync.tma_partition(
@@ -321,9 +335,9 @@ class FlashBwdSm90:
 
     @cute.jit
     def _consume(
-        self, mLSE, mDelta, mdQ, mdK, mdV, sQ, sK, sV, sdO, sP, sdS, pipe, kv_bar,
+        self, mLSE, mDelta, mdQ, mdK, mdV, mDqSem, sQ, sK, sV, sdO, sP, sdS, pipe, kv_bar,
         mma_sdp, mma_dkv, mma_dq, gmem_store_tile,
-        scale, scale_log2, lo, hi, n_block, kv_head, batch, group,
+        scale, scale_log2, softcap_in, lo, hi, deterministic, n_block, kv_head, batch, group,
         m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k,
     ):
         D, M, N = self.head_dim, self.m_block, self.n_block
@@ -378,8 +392,7 @@ class FlashBwdSm90:
             cute.arch.mbarrier_wait(kv_bar, 0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         for it in cutlass.range(n_iters, unroll=1):
-            head = kv_head * group + it // m_blocks
-            m_block = m_block_min + it % m_blocks
+            head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, deterministic)
             m0 = m_block * M
             s = state.index
 
@@ -404,6 +417,8 @@ class FlashBwdSm90:
             self._wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, s], tdPrV[None, None, None, 0], True)
 
             warpgroup.wait_group(1)
+            acc_slope = cute.make_fragment_like(acc_S)
+            cap_scores_with_slope(acc_S, acc_slope, softcap_in)
             acc_S_mn = _acc_mn(acc_S)
             for r in cutlass.range_constexpr(n_rows):
                 acc_S_mn[r, None].store(
@@ -425,6 +440,8 @@ class FlashBwdSm90:
             acc_dP_mn = _acc_mn(acc_dP)
             for r in cutlass.range_constexpr(n_rows):
                 acc_dP_mn[r, None].store(acc_S_mn[r, None].load() * (acc_dP_mn[r, None].load() - delta[r]))
+            if softcap_in > Float32(0.0):
+                acc_dP.store(acc_dP.load() * acc_slope.load())
             rdS = cute.make_fragment_like(acc_dP, self.dtype)
             rdS.store(acc_dP.load().to(self.dtype))
             cute.copy(r2s_sdp, thr_r2s.retile(rdS), tdSsdS[None, None, None, s])
@@ -444,11 +461,21 @@ class FlashBwdSm90:
             gdQ = cute.local_tile(mdQ[batch, None, head, None], (M, D), (m_block, 0))
             tdQgdQ = thr_dq.partition_C(gdQ)
             rows_left = seqlen_q - m0
+            turn = mDqSem.iterator + cute.crd2idx((batch, head, m_block), mDqSem.layout)
+            if deterministic != 0:
+                # Both WGs of every earlier KV tile have added their halves.
+                if tidx % WG_THREADS == 0:
+                    wait_at_least(turn, NUM_MMA_WG * (n_block - first_kv_block_seeing(m_block, M, N, lo)))
+                cute.arch.barrier(barrier_id=BAR_DQ_TURN + wg, number_of_threads=WG_THREADS)
             # Accumulator elements 2k and 2k+1 are adjacent columns of a row.
             for i in cutlass.range_constexpr(0, cute.size(acc_dQ), 2):
                 if tdQcdQ[i][0] < rows_left:
                     ptr = tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout)
                     red_add_v2_f32(ptr, acc_dQ[i] * scale, acc_dQ[i + 1] * scale)
+            if deterministic != 0:
+                cute.arch.barrier(barrier_id=BAR_DQ_TURN + wg, number_of_threads=WG_THREADS)
+                if tidx % WG_THREADS == 0:
+                    release_add_s32(turn, Int32(1))
             warpgroup.wait_group(0)
             pipe.consumer_release(state)
             state.advance()

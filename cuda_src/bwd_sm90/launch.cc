@@ -82,6 +82,7 @@ extern "C" int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream_ptr, char*
     return Fail(err, err_len, "jax_flash_bwd_sm90: no variant for head_dim %d (built: 64, 128)", p.head_dim);
   if (!(p.scale == p.scale) || p.scale == INFINITY || p.scale == -INFINITY)
     return Fail(err, err_len, "jax_flash_bwd_sm90: scale must be finite");
+  if (jax_flash_launch::CheckOptions(p, "jax_flash_bwd_sm90", err, err_len) != 0) return 1;
   if (p.heads_kv > 65535 || p.batch > 65535)
     return Fail(err, err_len, "jax_flash_bwd_sm90: batch (%d) and heads_kv (%d) must be <= 65535", p.batch,
                 p.heads_kv);

@@ -24,7 +24,7 @@ struct Bthd {  // [batch, seqlen, heads, head_dim]
   int32_t shape[3];
   int64_t stride[2];
 };
-struct Bht {  // [batch, heads, seqlen]
+struct Bht {  // [batch, heads, seqlen] (or query tiles)
   void* data;
   int32_t shape[3];
   int64_t stride[2];
@@ -47,12 +47,17 @@ struct Bounds {  // [batch, seqlen, 2]
 struct BwdLaunchArgs {
   Bthd q, k, v, dout, dq, dk, dv;
   Bht lse, delta;
+  Bht dq_sem;  // read by the deterministic backward only
   Lens q_lens, kv_lens;
   SegIds q_seg, kv_seg;  // read by the segment variants only
   Bounds q_bounds;
-  float scale;
+  float scale, softcap;
   int32_t key_lo, key_hi;
+  int32_t deterministic;
 };
+
+// Query tiles per (batch, head) in dq_semaphore (kernel_api.h).
+inline int32_t SemaphoreTiles(int32_t seqlen_q) { return (seqlen_q + 31) / 32; }
 
 // Element counts of the problem's query-side and key-side tensors.
 struct BwdSizes {
@@ -82,6 +87,7 @@ inline int CheckBwdOperands(const JfBwdArgs* args, BwdSizes n, bool seg, const c
       {args->q_lens, "q_lens", has_batch, 4}, {args->kv_lens, "kv_lens", has_batch, 4},
       {args->dq_accum, "dq_accum", has_q, 16}, {args->dk, "dk", has_kv, 16},
       {args->dv, "dv", has_kv, 16},
+      {args->dq_semaphore, "dq_semaphore", args->problem.deterministic == 1 && has_q, 4},
       {args->q_segment_ids, "q_segment_ids", seg && has_q && has_kv, 4},
       {args->kv_segment_ids, "kv_segment_ids", seg && has_q && has_kv, 4},
       {args->q_bounds, "q_bounds", seg && has_q && has_kv, 4},
@@ -106,6 +112,12 @@ inline int ZeroBwdOutputs(const JfBwdArgs* args, BwdSizes n, cudaStream_t stream
   if (n.q_elems > 0) {
     e = cudaMemsetAsync(args->dq_accum, 0, n.q_elems * sizeof(float), stream);
     if (e != cudaSuccess) return Fail(err, err_len, "%s: zeroing dq_accum: %s", who, cudaGetErrorString(e));
+  }
+  const JfProblem& p = args->problem;
+  if (n.q_elems > 0 && p.deterministic == 1) {
+    const size_t turns = size_t(p.batch) * p.heads_q * SemaphoreTiles(p.seqlen_q);
+    e = cudaMemsetAsync(args->dq_semaphore, 0, turns * sizeof(int32_t), stream);
+    if (e != cudaSuccess) return Fail(err, err_len, "%s: zeroing dq_semaphore: %s", who, cudaGetErrorString(e));
   }
   if (n.q_elems == 0 || n.kv_elems == 0) {
     if (n.kv_elems > 0) {
@@ -158,14 +170,18 @@ inline BwdLaunchArgs MakeBwdLaunchArgs(const JfBwdArgs* args) {
   a.dv = bthd(args->dv, S, Hkv);
   a.lse = bht(args->lse);
   a.delta = bht(args->delta);
+  const int32_t tiles = SemaphoreTiles(T);
+  a.dq_sem = Bht{args->dq_semaphore, {B, Hq, tiles}, {int64_t{Hq} * tiles, int64_t{tiles}}};
   a.q_lens = Lens{const_cast<int32_t*>(args->q_lens), {B}};
   a.kv_lens = Lens{const_cast<int32_t*>(args->kv_lens), {B}};
   a.q_seg = SegIds{const_cast<int32_t*>(args->q_segment_ids), {B, T}, {int64_t{T}}};
   a.kv_seg = SegIds{const_cast<int32_t*>(args->kv_segment_ids), {B, S}, {int64_t{S}}};
   a.q_bounds = Bounds{const_cast<int32_t*>(args->q_bounds), {B, S}, {int64_t{S} * 2}};
   a.scale = p.scale;
+  a.softcap = p.softcap;
   a.key_lo = int32_t(lo);
   a.key_hi = int32_t(hi);
+  a.deterministic = p.deterministic;
   return a;
 }
 
@@ -194,9 +210,10 @@ inline BwdLaunchArgs MakeBwdLaunchArgs(const JfBwdArgs* args) {
     auto* dq = reinterpret_cast<PREFIX##_Tensor_mdQ_t*>(const_cast<Bthd*>(&a.dq));                   \
     auto* dk = reinterpret_cast<PREFIX##_Tensor_mdK_t*>(const_cast<Bthd*>(&a.dk));                   \
     auto* dv = reinterpret_cast<PREFIX##_Tensor_mdV_t*>(const_cast<Bthd*>(&a.dv));                   \
+    auto* sem = reinterpret_cast<PREFIX##_Tensor_mDqSem_t*>(const_cast<Bht*>(&a.dq_sem));            \
     int32_t rc = cute_dsl_##PREFIX##_wrapper(&g_##PREFIX.module, q, k, v, dout, lse, delta, ql, kl,  \
-                                             dq, dk, dv, a.scale, a.key_lo, a.key_hi,                \
-                                             stream SEG_ARGS(PREFIX));                               \
+                                             dq, dk, dv, sem, a.scale, a.softcap, a.key_lo,          \
+                                             a.key_hi, a.deterministic, stream SEG_ARGS(PREFIX));   \
     if (rc != 0) return Fail(err, err_len, WHO ": " #PREFIX " returned %d", rc);                    \
     return 0;                                                                                        \
   }

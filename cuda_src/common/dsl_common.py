@@ -5,14 +5,17 @@ calls), so a helper costs nothing at run time and keeps the callers' device
 code exactly what it was when each family carried its own copy.
 """
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 INT32_MAX = 2**31 - 1
 WARP_SIZE = 32
+LOG2E = math.log2(math.e)
 
 
 def m16n8_acc_as_rows_cols(acc: cute.Tensor) -> cute.Tensor:
@@ -121,3 +124,107 @@ def red_add_v2_f32(ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=No
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+@cute.jit
+def logit_scales(scale: Float32, softcap: Float32):
+    """(scale_log2, softcap_in) for the kernels' soft capping. Without a cap
+    (softcap == 0) S = q.k and the softmax uses S * scale * log2(e). With one,
+    the kernels replace S by tanh(S * softcap_in), softcap_in = scale /
+    softcap, so the logit softcap * tanh(scale * q.k / softcap) is S * softcap
+    and the softmax multiplier becomes softcap * log2(e)."""
+    scale_log2 = scale * LOG2E
+    softcap_in = Float32(0.0)
+    if softcap > Float32(0.0):
+        scale_log2 = softcap * LOG2E
+        softcap_in = scale / softcap
+    return scale_log2, softcap_in
+
+
+@cute.jit
+def cap_scores(acc: cute.Tensor, softcap_in: Float32):
+    """S <- tanh(S * softcap_in) in place when soft capping is on."""
+    if softcap_in > Float32(0.0):
+        acc.store(cute.math.tanh(acc.load() * softcap_in))
+
+
+@cute.jit
+def cap_scores_with_slope(acc: cute.Tensor, slope: cute.Tensor, softcap_in: Float32):
+    """cap_scores, also writing d(logit)/d(scale * q.k) = 1 - tanh^2 into
+    slope (the backward multiplies dS by it). Untouched without a cap."""
+    if softcap_in > Float32(0.0):
+        t = cute.math.tanh(acc.load() * softcap_in)
+        acc.store(t)
+        slope.store(1.0 - t * t)
+
+
+@dsl_user_op
+def ld_acquire_s32(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
+    """ld.acquire.gpu of one int32 in global memory."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [ptr.toint(loc=loc, ip=ip).ir_value()],
+            "ld.acquire.gpu.global.b32 $0, [$1];",
+            "=r,l",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def release_add_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> None:
+    """A gpu-scope fence, then red.release.gpu.add of an int32: every write
+    this thread has ordered before the call (through a CTA barrier, those of
+    the whole CTA) is visible to whoever acquires the new value."""
+    llvm.inline_asm(
+        None,
+        [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
+        "fence.acq_rel.gpu;\n\tred.release.gpu.global.add.s32 [$0], $1;",
+        "l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@cute.jit
+def wait_at_least(ptr: cute.Pointer, target: Int32):
+    """Spin until the int32 at ptr is >= target (acquire)."""
+    seen = ld_acquire_s32(ptr)
+    while seen < target:
+        seen = ld_acquire_s32(ptr)
+
+
+@cute.jit
+def first_kv_block_seeing(m_block, m_rows: cutlass.Constexpr, n_rows: cutlass.Constexpr, key_lo):
+    """The first KV tile (n_rows keys) whose backward CTA visits query tile
+    m_block (m_rows rows) when visible pairs satisfy j - i >= key_lo: the CTAs
+    that visit a query tile are consecutive, so the deterministic backward
+    numbers their turns from this one."""
+    first_key = m_block * m_rows + key_lo
+    first = Int32(0)
+    if first_key > 0:
+        first = first_key // n_rows
+    return first
+
+
+@cute.jit
+def query_tile_of(it, kv_head, group, m_block_min, m_blocks, deterministic):
+    """(query head, query tile) of iteration `it` of a backward CTA that walks
+    `group` query heads x `m_blocks` query tiles from m_block_min.
+
+    By default heads are outermost and tiles ascend. The deterministic order
+    takes tiles last to first with the heads innermost: a CTA then reaches
+    each (head, tile) at the same iteration as the CTA of the KV tile before
+    it, or later (the last tile a CTA visits never decreases from one KV
+    tile to the next), so waiting for its turn costs little; in the default
+    order a causal mask would chain the CTAs one after another."""
+    head = kv_head * group + it // m_blocks
+    m_block = m_block_min + it % m_blocks
+    if deterministic != 0:
+        head = kv_head * group + it % group
+        m_block = m_block_min + m_blocks - 1 - it // group
+    return head, m_block

@@ -67,6 +67,17 @@ class FakeProblem:
 
         return make_fake_compact_tensor(cutlass.Int32, (self.batch,), assumed_align=SCALAR_ALIGN)
 
+    def dq_semaphore(self):
+        """Int32 [batch, heads_q, query tiles]: the deterministic backward's turns."""
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_fake_compact_tensor
+
+        return make_fake_compact_tensor(
+            cutlass.Int32, (self.batch, self.heads_q, cute.sym_int()),
+            stride_order=ROW_MAJOR_3D, assumed_align=SCALAR_ALIGN,
+        )
+
     def segment_ids(self, seqlen):
         """Int32 [batch, seqlen], row-major."""
         import cutlass

@@ -53,6 +53,7 @@ inline int64_t Prod(int64_t a, int64_t b, int64_t c = 1) { return a * b * c; }
     prefix##_Tensor_mKVLens_t kv_lens = {const_cast<int32_t*>(a.kv_lens), {p.batch}}; \
     int32_t rc = cute_dsl_##prefix##_wrapper(                                     \
         &g_##prefix.module, &q, &k, &v, &o, &lse, &q_lens, &kv_lens, p.scale,     \
+        p.softcap,                                                                \
         p.diag_offset, p.window_left, p.window_right, stream SEG_ARGS);           \
     if (rc != 0) {                                                                \
       return Fail(err, err_len, JF_FWD_ENTRY ": " #prefix " returned %d", rc);    \

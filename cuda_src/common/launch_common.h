@@ -11,10 +11,13 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <mutex>
+
+#include "jax_flash/kernel_api.h"
 
 namespace jax_flash_launch {
 
@@ -83,6 +86,16 @@ cudaError_t EnsureLoaded(LoadedModule<Module>& m, LoadFn load) {
     if (m.status == cudaSuccess) m.status = cudaGetLastError();
   });
   return m.status;
+}
+
+// The options every entry point checks: softcap finite and >= 0 (0: off),
+// deterministic 0 or 1.
+inline int CheckOptions(const JfProblem& p, const char* who, char* err, size_t err_len) {
+  if (!(p.softcap >= 0.0f) || p.softcap == INFINITY)
+    return Fail(err, err_len, "%s: softcap must be finite and >= 0, got %g", who, double(p.softcap));
+  if (p.deterministic != 0 && p.deterministic != 1)
+    return Fail(err, err_len, "%s: deterministic must be 0 or 1, got %d", who, p.deterministic);
+  return 0;
 }
 
 }  // namespace jax_flash_launch

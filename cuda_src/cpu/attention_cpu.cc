@@ -77,6 +77,14 @@ int check_problem(const JfProblem& p, const char* entry, char* err,
     return fail(err, err_len, entry, "has_segments must be 0 or 1, got %d",
                 p.has_segments);
   }
+  if (!std::isfinite(p.softcap) || p.softcap < 0.0f) {
+    return fail(err, err_len, entry, "softcap must be finite and >= 0, got %g",
+                static_cast<double>(p.softcap));
+  }
+  if (p.deterministic != 0 && p.deterministic != 1) {
+    return fail(err, err_len, entry, "deterministic must be 0 or 1, got %d",
+                p.deterministic);
+  }
   return 0;
 }
 

@@ -31,7 +31,7 @@ struct BackwardGroup {
     const int64_t q_len = valid_len(args.q_lens, b, g.seqlen_q);
     const int64_t kv_len = valid_len(args.kv_lens, b, g.seqlen_k);
     const int64_t h_first = hk * g.group;
-    const float scale_log2 = g.scale * kLog2e;
+    const Logits logits(g);
 
     alignas(64) float q_tile[kRows * kMaxDim];
     alignas(64) float do_tile[kRows * kMaxDim];
@@ -114,10 +114,11 @@ struct BackwardGroup {
             for (int j = 0; j < kCols; ++j) {
               bool seen = j >= a && j < e;
               if constexpr (kSegments) seen = seen && tile_ids[j] == id;
-              const float pj =
-                  select(seen, exp2_poly(p[j] * scale_log2 - row_lse), 0.0f);
+              float slope;
+              const float logit = logits.log2_logit(p[j], &slope);
+              const float pj = select(seen, exp2_poly(logit - row_lse), 0.0f);
               p[j] = pj;
-              ds[j] = select(seen, pj * (ds[j] - row_delta), 0.0f);
+              ds[j] = select(seen, pj * (ds[j] - row_delta) * slope, 0.0f);
             }
           }
           // dV += P^T dO and dK += dS^T Q (scaled once at the end).

@@ -66,7 +66,7 @@ struct ForwardTile {
       std::fill(run_max, run_max + kRows, kNegInf);
       std::fill(run_sum, run_sum + kRows, 0.0f);
     }
-    const float scale_log2 = g.scale * kLog2e;
+    const Logits logits(g);
     for (int64_t j0 = k_lo; j0 < k_hi; j0 += kCols) {
       const int cols = static_cast<int>(std::min<int64_t>(kCols, k_hi - j0));
       load_rows_transposed<Codec, kCols>(k + g.k_off(b, j0, hk),
@@ -90,12 +90,16 @@ struct ForwardTile {
           const int32_t id = q_ids[i0 + r];
           const int32_t* ids = kv_ids + j0;
           for (int j = a; j < e; ++j) {
-            s[j] = select(ids[j] == id, s[j] * scale_log2, kNegInf);
+            s[j] = select(ids[j] == id, logits.log2_logit(s[j]), kNegInf);
           }
           tile_max = row_max(s + a, e - a);
           if (tile_max == kNegInf) continue;  // none of its document here
         } else {
-          for (int j = a; j < e; ++j) s[j] *= scale_log2;
+          if (logits.capped) {
+            for (int j = a; j < e; ++j) s[j] = logits.log2_logit(s[j]);
+          } else {
+            for (int j = a; j < e; ++j) s[j] *= logits.in;
+          }
           tile_max = row_max(s + a, e - a);
         }
         const float new_max = std::max(run_max[r], tile_max);

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <thread>
@@ -51,13 +52,14 @@ struct Geometry {
   int64_t group;  // query heads per key/value head
   int64_t diag_offset, window_left, window_right;
   float scale;
+  float softcap;  // > 0: logits are softcap * tanh(scale * q.k / softcap)
 
   explicit Geometry(const JfProblem& p)
       : batch(p.batch), seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k),
         heads_q(p.heads_q), heads_kv(p.heads_kv), head_dim(p.head_dim),
         head_dim_v(p.head_dim_v), group(p.heads_q / p.heads_kv),
         diag_offset(p.diag_offset), window_left(p.window_left),
-        window_right(p.window_right), scale(p.scale) {}
+        window_right(p.window_right), scale(p.scale), softcap(p.softcap) {}
 
   // Element offsets of row (b, t, h) in each layout.
   int64_t q_off(int64_t b, int64_t t, int64_t h) const {
@@ -74,6 +76,34 @@ struct Geometry {
   }
   int64_t stat_off(int64_t b, int64_t h, int64_t t) const {
     return (b * heads_q + h) * seqlen_q + t;
+  }
+};
+
+// Turns a raw q.k product into the logit in log2 units, and gives the
+// derivative of the (natural) logit with respect to scale * q.k: 1 without a
+// cap, 1 - tanh^2 with one.
+struct Logits {
+  bool capped;
+  float in;       // multiplies q.k inside tanh (scale / softcap), or scale_log2
+  float out_log2; // softcap * log2(e)
+
+  explicit Logits(const Geometry& g)
+      : capped(g.softcap > 0.0f),
+        in(capped ? g.scale / g.softcap : g.scale * kLog2e),
+        out_log2(g.softcap * kLog2e) {}
+
+  float log2_logit(float qk) const {
+    return capped ? out_log2 * std::tanh(qk * in) : qk * in;
+  }
+  // The log2 logit, and into *slope the derivative factor described above.
+  float log2_logit(float qk, float* slope) const {
+    if (!capped) {
+      *slope = 1.0f;
+      return qk * in;
+    }
+    const float t = std::tanh(qk * in);
+    *slope = 1.0f - t * t;
+    return out_log2 * t;
   }
 };
 

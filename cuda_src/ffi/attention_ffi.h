@@ -7,6 +7,7 @@
 #ifndef JAX_FLASH_ATTENTION_FFI_H_
 #define JAX_FLASH_ATTENTION_FFI_H_
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -86,13 +87,24 @@ inline ffi::Error ExpectElements(const char* name, const ffi::AnyBuffer& buf,
 
 inline bool FitsInt32(int64_t x) { return x >= 0 && x <= INT32_MAX; }
 
+// The attributes added in ABI v2; a v1 call gets the defaults.
+struct Options {
+  float softcap = 0.0f;
+  int32_t deterministic = 0;
+};
+
+// Rows of dq_semaphore per (batch, head): the smallest query tile of any
+// GPU backward kernel is 32 rows.
+constexpr int64_t kSemaphoreRows = 32;
+
 // Validates q, k, v, q_lens, kv_lens and fills the shared problem description.
 inline ffi::Error MakeProblem(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                               const ffi::AnyBuffer& v,
                               const ffi::AnyBuffer& q_lens,
                               const ffi::AnyBuffer& kv_lens, float scale,
                               int32_t diag_offset, int32_t window_left,
-                              int32_t window_right, JfProblem* p) {
+                              int32_t window_right, const Options& options,
+                              JfProblem* p) {
   int64_t batch, seq_q, heads_q, dim;
   if (auto e = ReadTokens("q", q.dimensions(), &batch, &seq_q, &heads_q, &dim); e.failure()) return e;
   int64_t kb, seq_k, heads_kv, kdim;
@@ -139,6 +151,14 @@ inline ffi::Error MakeProblem(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                  diag_offset,
                  window_left,
                  window_right};
+  if (!(options.softcap >= 0.0f) || options.softcap == INFINITY) {
+    return Invalid("softcap must be finite and >= 0, got " + std::to_string(options.softcap));
+  }
+  if (options.deterministic != 0 && options.deterministic != 1) {
+    return Invalid("deterministic must be 0 or 1, got " + std::to_string(options.deterministic));
+  }
+  p->softcap = options.softcap;
+  p->deterministic = options.deterministic;
   return ffi::Error::Success();
 }
 
@@ -198,10 +218,10 @@ ffi::Error AttentionForward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k,
                             ffi::Result<ffi::AnyBuffer> o,
                             ffi::Result<ffi::AnyBuffer> lse, float scale,
                             int32_t diag_offset, int32_t window_left,
-                            int32_t window_right) {
+                            int32_t window_right, const Options& options) {
   JfFwdArgs args{};
   if (auto e = MakeProblem(q, k, v, q_lens, kv_lens, scale, diag_offset, window_left,
-                           window_right, &args.problem);
+                           window_right, options, &args.problem);
       e.failure())
     return e;
   const JfProblem& p = args.problem;
@@ -229,12 +249,13 @@ ffi::Error AttentionBackward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k
                              const SegmentBuffers& segments,
                              ffi::Result<ffi::AnyBuffer> dq_accum,
                              ffi::Result<ffi::AnyBuffer> dk,
-                             ffi::Result<ffi::AnyBuffer> dv, float scale,
+                             ffi::Result<ffi::AnyBuffer> dv,
+                             ffi::AnyBuffer* dq_semaphore, float scale,
                              int32_t diag_offset, int32_t window_left,
-                             int32_t window_right) {
+                             int32_t window_right, const Options& options) {
   JfBwdArgs args{};
   if (auto e = MakeProblem(q, k, v, q_lens, kv_lens, scale, diag_offset, window_left,
-                           window_right, &args.problem);
+                           window_right, options, &args.problem);
       e.failure())
     return e;
   const JfProblem& p = args.problem;
@@ -252,6 +273,15 @@ ffi::Error AttentionBackward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k
   if (auto e = CheckLike("dv", *dv, type, p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v); e.failure())
     return e;
   if (auto e = ReadSegments(segments, &args); e.failure()) return e;
+  if (p.deterministic) {
+    if (dq_semaphore == nullptr) return Invalid("deterministic needs the dq_semaphore output");
+    const int64_t tiles = (int64_t{p.seqlen_q} + kSemaphoreRows - 1) / kSemaphoreRows;
+    if (auto e = ExpectElements("dq_semaphore", *dq_semaphore, ffi::DataType::S32,
+                                int64_t{p.batch} * p.heads_q * tiles);
+        e.failure())
+      return e;
+    args.dq_semaphore = static_cast<int32_t*>(dq_semaphore->untyped_data());
+  }
   args.q = q.untyped_data();
   args.k = k.untyped_data();
   args.v = v.untyped_data();
@@ -266,10 +296,11 @@ ffi::Error AttentionBackward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k
   return launch(args);
 }
 
-// Binds the argument list shared by every backend's forward handler.
+// Binds the argument list shared by every backend's forward handler (v1:
+// without the Options attributes).
 template <typename Binding>
-auto BindForward(Binding binding) {
-  return std::move(binding).template Arg<ffi::AnyBuffer>()  // q
+auto BindForwardV1(Binding&& binding) {
+  return std::forward<Binding>(binding).template Arg<ffi::AnyBuffer>()  // q
       .template Arg<ffi::AnyBuffer>()            // k
       .template Arg<ffi::AnyBuffer>()            // v
       .template Arg<ffi::AnyBuffer>()            // q_lens
@@ -287,8 +318,8 @@ auto BindForward(Binding binding) {
 }
 
 template <typename Binding>
-auto BindBackward(Binding binding) {
-  return std::move(binding).template Arg<ffi::AnyBuffer>()  // q
+auto BindBackwardV1(Binding&& binding) {
+  return std::forward<Binding>(binding).template Arg<ffi::AnyBuffer>()  // q
       .template Arg<ffi::AnyBuffer>()            // k
       .template Arg<ffi::AnyBuffer>()            // v
       .template Arg<ffi::AnyBuffer>()            // dout
@@ -307,6 +338,21 @@ auto BindBackward(Binding binding) {
       .template Attr<int32_t>("diag_offset")
       .template Attr<int32_t>("window_left")
       .template Attr<int32_t>("window_right");
+}
+
+// v2 adds softcap to the forward; dq_semaphore (a fourth output), softcap
+// and deterministic to the backward.
+template <typename Binding>
+auto BindForward(Binding&& binding) {
+  return BindForwardV1(std::forward<Binding>(binding)).template Attr<float>("softcap");
+}
+
+template <typename Binding>
+auto BindBackward(Binding&& binding) {
+  return BindBackwardV1(std::forward<Binding>(binding))
+      .template Ret<ffi::AnyBuffer>()  // dq_semaphore
+      .template Attr<float>("softcap")
+      .template Attr<int32_t>("deterministic");
 }
 
 // Runs a kernel_api.h entry point and turns its status into an ffi::Error.

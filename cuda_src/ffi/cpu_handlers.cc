@@ -14,25 +14,51 @@ ffi::Error LaunchBwdCpu(const JfBwdArgs& args) {
   return CallKernel([&](char* err, size_t n) { return jax_flash_bwd_cpu(&args, err, n); });
 }
 
-ffi::Error FwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::AnyBuffer q_ids,
-                  ffi::AnyBuffer kv_ids, ffi::AnyBuffer kv_bounds, ffi::AnyBuffer q_bounds,
-                  ffi::Result<ffi::AnyBuffer> o,
+ffi::Error FwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer q_lens,
+                  ffi::AnyBuffer kv_lens, ffi::AnyBuffer q_ids, ffi::AnyBuffer kv_ids,
+                  ffi::AnyBuffer kv_bounds, ffi::AnyBuffer q_bounds, ffi::Result<ffi::AnyBuffer> o,
                   ffi::Result<ffi::AnyBuffer> lse, float scale, int32_t diag_offset,
-                  int32_t window_left, int32_t window_right) {
+                  int32_t window_left, int32_t window_right, float softcap) {
   return AttentionForward(LaunchFwdCpu, q, k, v, q_lens, kv_lens,
-                          SegmentBuffers{q_ids, kv_ids, kv_bounds, q_bounds}, o, lse, scale, diag_offset,
-                          window_left, window_right);
+                          SegmentBuffers{q_ids, kv_ids, kv_bounds, q_bounds}, o, lse, scale,
+                          diag_offset, window_left, window_right, Options{softcap, 0});
+}
+
+ffi::Error FwdCpuV1(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer q_lens,
+                    ffi::AnyBuffer kv_lens, ffi::AnyBuffer q_ids, ffi::AnyBuffer kv_ids,
+                    ffi::AnyBuffer kv_bounds, ffi::AnyBuffer q_bounds,
+                    ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale,
+                    int32_t diag_offset, int32_t window_left, int32_t window_right) {
+  return FwdCpu(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, o, lse, scale,
+                diag_offset, window_left, window_right, 0.0f);
 }
 
 ffi::Error BwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
-                  ffi::AnyBuffer lse, ffi::AnyBuffer delta, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::AnyBuffer q_ids,
-                  ffi::AnyBuffer kv_ids, ffi::AnyBuffer kv_bounds, ffi::AnyBuffer q_bounds,
-                  ffi::Result<ffi::AnyBuffer> dq_accum,
-                  ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float scale,
-                  int32_t diag_offset, int32_t window_left, int32_t window_right) {
+                  ffi::AnyBuffer lse, ffi::AnyBuffer delta, ffi::AnyBuffer q_lens,
+                  ffi::AnyBuffer kv_lens, ffi::AnyBuffer q_ids, ffi::AnyBuffer kv_ids,
+                  ffi::AnyBuffer kv_bounds, ffi::AnyBuffer q_bounds,
+                  ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> dk,
+                  ffi::Result<ffi::AnyBuffer> dv, float scale, int32_t diag_offset,
+                  int32_t window_left, int32_t window_right,
+                  ffi::Result<ffi::AnyBuffer> dq_semaphore, float softcap,
+                  int32_t deterministic) {
+  // The CPU kernels are deterministic by construction; dq_semaphore is unused.
   return AttentionBackward(LaunchBwdCpu, q, k, v, dout, lse, delta, q_lens, kv_lens,
-                           SegmentBuffers{q_ids, kv_ids, kv_bounds, q_bounds}, dq_accum,
-                           dk, dv, scale, diag_offset, window_left, window_right);
+                           SegmentBuffers{q_ids, kv_ids, kv_bounds, q_bounds}, dq_accum, dk, dv,
+                           &*dq_semaphore, scale, diag_offset, window_left, window_right,
+                           Options{softcap, deterministic});
+}
+
+ffi::Error BwdCpuV1(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
+                    ffi::AnyBuffer lse, ffi::AnyBuffer delta, ffi::AnyBuffer q_lens,
+                    ffi::AnyBuffer kv_lens, ffi::AnyBuffer q_ids, ffi::AnyBuffer kv_ids,
+                    ffi::AnyBuffer kv_bounds, ffi::AnyBuffer q_bounds,
+                    ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> dk,
+                    ffi::Result<ffi::AnyBuffer> dv, float scale, int32_t diag_offset,
+                    int32_t window_left, int32_t window_right) {
+  return AttentionBackward(LaunchBwdCpu, q, k, v, dout, lse, delta, q_lens, kv_lens,
+                           SegmentBuffers{q_ids, kv_ids, kv_bounds, q_bounds}, dq_accum, dk, dv,
+                           nullptr, scale, diag_offset, window_left, window_right, Options{});
 }
 
 }  // namespace
@@ -42,6 +68,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashFwdCpu, jax_flash::FwdCpu,
                               jax_flash::BindForward(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBwdCpu, jax_flash::BwdCpu,
                               jax_flash::BindBackward(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashFwdCpuV1, jax_flash::FwdCpuV1,
+                              jax_flash::BindForwardV1(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBwdCpuV1, jax_flash::BwdCpuV1,
+                              jax_flash::BindBackwardV1(xla::ffi::Ffi::Bind()));
 
 namespace nb = nanobind;
 
@@ -54,8 +84,10 @@ NB_MODULE(_cpu_ffi, m) {
   m.doc() = "jax_flash CPU attention kernels as XLA FFI handlers.";
   m.def("registrations", []() {
     nb::dict targets;
-    targets["fwd"] = Capsule(JaxFlashFwdCpu);
-    targets["bwd"] = Capsule(JaxFlashBwdCpu);
+    targets["fwd_v2"] = Capsule(JaxFlashFwdCpu);
+    targets["bwd_v2"] = Capsule(JaxFlashBwdCpu);
+    targets["fwd_v1"] = Capsule(JaxFlashFwdCpuV1);
+    targets["bwd_v1"] = Capsule(JaxFlashBwdCpuV1);
     return targets;
   });
 }

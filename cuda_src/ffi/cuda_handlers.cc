@@ -37,35 +37,69 @@ int LaunchBackward(const JfBwdArgs& args, cudaStream_t stream, char* err, size_t
 
 ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::AnyBuffer q_ids,
-                  ffi::AnyBuffer kv_ids, ffi::AnyBuffer kv_bounds, ffi::AnyBuffer q_bounds,
-                  ffi::Result<ffi::AnyBuffer> o,
-                   ffi::Result<ffi::AnyBuffer> lse, float scale, int32_t diag_offset,
-                   int32_t window_left, int32_t window_right) {
+                   ffi::AnyBuffer kv_ids, ffi::AnyBuffer kv_bounds, ffi::AnyBuffer q_bounds,
+                   ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale,
+                   int32_t diag_offset, int32_t window_left, int32_t window_right,
+                   float softcap) {
   g_handler_calls.fetch_add(1, std::memory_order_relaxed);
   auto launch = [stream](const JfFwdArgs& args) {
-    return CallKernel(
-        [&](char* err, size_t n) { return LaunchForward(args, stream, err, n); });
+    return CallKernel([&](char* err, size_t n) { return LaunchForward(args, stream, err, n); });
   };
   return AttentionForward(launch, q, k, v, q_lens, kv_lens,
-                          SegmentBuffers{q_ids, kv_ids, kv_bounds, q_bounds}, o, lse, scale, diag_offset,
-                          window_left, window_right);
+                          SegmentBuffers{q_ids, kv_ids, kv_bounds, q_bounds}, o, lse, scale,
+                          diag_offset, window_left, window_right, Options{softcap, 0});
+}
+
+ffi::Error FwdCudaV1(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                     ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::AnyBuffer q_ids,
+                     ffi::AnyBuffer kv_ids, ffi::AnyBuffer kv_bounds, ffi::AnyBuffer q_bounds,
+                     ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale,
+                     int32_t diag_offset, int32_t window_left, int32_t window_right) {
+  return FwdCuda(stream, q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, o, lse,
+                 scale, diag_offset, window_left, window_right, 0.0f);
+}
+
+ffi::Error BwdCudaWith(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer delta,
+                       ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
+                       const SegmentBuffers& segments, ffi::Result<ffi::AnyBuffer> dq_accum,
+                       ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                       ffi::AnyBuffer* dq_semaphore, float scale, int32_t diag_offset,
+                       int32_t window_left, int32_t window_right, const Options& options) {
+  g_handler_calls.fetch_add(1, std::memory_order_relaxed);
+  auto launch = [stream](const JfBwdArgs& args) {
+    return CallKernel([&](char* err, size_t n) { return LaunchBackward(args, stream, err, n); });
+  };
+  return AttentionBackward(launch, q, k, v, dout, lse, delta, q_lens, kv_lens, segments, dq_accum,
+                           dk, dv, dq_semaphore, scale, diag_offset, window_left, window_right,
+                           options);
 }
 
 ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer delta,
                    ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::AnyBuffer q_ids,
-                  ffi::AnyBuffer kv_ids, ffi::AnyBuffer kv_bounds, ffi::AnyBuffer q_bounds,
-                  ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> dk,
+                   ffi::AnyBuffer kv_ids, ffi::AnyBuffer kv_bounds, ffi::AnyBuffer q_bounds,
+                   ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> dk,
                    ffi::Result<ffi::AnyBuffer> dv, float scale, int32_t diag_offset,
-                   int32_t window_left, int32_t window_right) {
-  g_handler_calls.fetch_add(1, std::memory_order_relaxed);
-  auto launch = [stream](const JfBwdArgs& args) {
-    return CallKernel(
-        [&](char* err, size_t n) { return LaunchBackward(args, stream, err, n); });
-  };
-  return AttentionBackward(launch, q, k, v, dout, lse, delta, q_lens, kv_lens,
-                           SegmentBuffers{q_ids, kv_ids, kv_bounds, q_bounds}, dq_accum, dk, dv,
-                           scale, diag_offset, window_left, window_right);
+                   int32_t window_left, int32_t window_right,
+                   ffi::Result<ffi::AnyBuffer> dq_semaphore, float softcap,
+                   int32_t deterministic) {
+  return BwdCudaWith(stream, q, k, v, dout, lse, delta, q_lens, kv_lens,
+                     SegmentBuffers{q_ids, kv_ids, kv_bounds, q_bounds}, dq_accum, dk, dv,
+                     &*dq_semaphore, scale, diag_offset, window_left, window_right,
+                     Options{softcap, deterministic});
+}
+
+ffi::Error BwdCudaV1(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                     ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer delta,
+                     ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::AnyBuffer q_ids,
+                     ffi::AnyBuffer kv_ids, ffi::AnyBuffer kv_bounds, ffi::AnyBuffer q_bounds,
+                     ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> dk,
+                     ffi::Result<ffi::AnyBuffer> dv, float scale, int32_t diag_offset,
+                     int32_t window_left, int32_t window_right) {
+  return BwdCudaWith(stream, q, k, v, dout, lse, delta, q_lens, kv_lens,
+                     SegmentBuffers{q_ids, kv_ids, kv_bounds, q_bounds}, dq_accum, dk, dv, nullptr,
+                     scale, diag_offset, window_left, window_right, Options{});
 }
 
 }  // namespace
@@ -86,5 +120,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFlashBwdCuda, jax_flash::BwdCuda,
     jax_flash::BindBackward(
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFlashFwdCudaV1, jax_flash::FwdCudaV1,
+    jax_flash::BindForwardV1(
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFlashBwdCudaV1, jax_flash::BwdCudaV1,
+    jax_flash::BindBackwardV1(
         xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
     {xla::ffi::Traits::kCmdBufferCompatible});

@@ -26,7 +26,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
-from common.dsl_common import INT32_MAX, m16n8_acc_as_rows_cols, segment_bounds_union
+from common.dsl_common import (
+    INT32_MAX,
+    cap_scores,
+    logit_scales,
+    m16n8_acc_as_rows_cols,
+    segment_bounds_union,
+)
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -96,6 +102,7 @@ class FlashFwdSm80:
         mQLens: cute.Tensor,  # [B] int32
         mKVLens: cute.Tensor,  # [B] int32
         scale: cutlass.Float32,
+        softcap: cutlass.Float32,
         diag_offset: cutlass.Int32,
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
@@ -164,7 +171,8 @@ class FlashFwdSm80:
             mLSE,
             mQLens,
             mKVLens,
-            scale * LOG2E,
+            scale,
+            softcap,
             diag_offset,
             window_left,
             window_right,
@@ -189,7 +197,8 @@ class FlashFwdSm80:
         mLSE: cute.Tensor,
         mQLens: cute.Tensor,
         mKVLens: cute.Tensor,
-        scale_log2: cutlass.Float32,
+        scale: cutlass.Float32,
+        softcap: cutlass.Float32,
         diag_offset: cutlass.Int32,
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
@@ -205,6 +214,7 @@ class FlashFwdSm80:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block_rev, head_q, batch = cute.arch.block_idx()
+        scale_log2, softcap_in = logit_scales(scale, softcap)
         tile_m, tile_n, head_dim = self.tile_m, self.tile_n, self.head_dim
         seqlen_q = mQ.shape[1]
         seqlen_k = mK.shape[1]
@@ -356,6 +366,7 @@ class FlashFwdSm80:
                 smem_tiled_copy_Q, tSsQ, tSrQ_view,
                 smem_tiled_copy_K, tSsK, tSrK_view,
             )
+            cap_scores(acc_S, softcap_in)
             acc_S_mn = m16n8_acc_as_rows_cols(acc_S)
             if cutlass.const_expr(self.has_segments):
                 self._apply_mask(

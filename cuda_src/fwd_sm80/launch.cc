@@ -108,6 +108,7 @@ int Validate(const JfFwdArgs* args, char* err, size_t err_len) {
     return Fail(err, err_len, "jax_flash_fwd_sm80: has_segments must be 0 or 1, got %d",
                 p.has_segments);
   }
+  if (jax_flash_launch::CheckOptions(p, "jax_flash_fwd_sm80", err, err_len) != 0) return 1;
   const bool has_q = p.batch > 0 && p.seqlen_q > 0;
   const bool has_kv = p.batch > 0 && p.seqlen_k > 0;
   const bool seg = p.has_segments == 1;

@@ -73,7 +73,8 @@ def _fake_args(dtype, head_dim, has_segments):
     v = fake.bthd(dtype, fake.seqlen_k, fake.heads_kv)
     o = fake.bthd(dtype, fake.seqlen_q, fake.heads_q)
     lse = fake.per_head_row(assumed_align=SCALAR_ALIGN)
-    scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(-1), cutlass.Int32(-1))
+    # scale, softcap, diag_offset, window_left, window_right
+    scalars = (cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(-1), cutlass.Int32(-1))
     args = (q, k, v, o, lse, fake.lens(), fake.lens(), *scalars, cutlass.runtime.make_fake_stream())
     if not has_segments:
         return args

@@ -38,6 +38,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from common.dsl_common import cap_scores, logit_scales
 from segment_ids import load_tile_ids, warp_bounds_union
 
 LOG2E = math.log2(math.e)
@@ -128,6 +129,7 @@ class FlashFwdSm90:
         mQLens: cute.Tensor,  # [B] int32
         mKVLens: cute.Tensor,  # [B] int32
         scale: cutlass.Float32,
+        softcap: cutlass.Float32,
         diag_offset: cutlass.Int32,
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
@@ -135,26 +137,26 @@ class FlashFwdSm90:
     ):
         """Entry point of the plain variant. The exported object records this
         signature, so the segment tensors get their own entry point below."""
-        self._launch(mQ, mK, mV, mO, mLSE, mQLens, mKVLens, scale, diag_offset,
+        self._launch(mQ, mK, mV, mO, mLSE, mQLens, mKVLens, scale, softcap, diag_offset,
                      window_left, window_right, stream, None, None, None)
 
     @cute.jit
     def call_with_segments(
         self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
         mLSE: cute.Tensor, mQLens: cute.Tensor, mKVLens: cute.Tensor,
-        scale: cutlass.Float32, diag_offset: cutlass.Int32, window_left: cutlass.Int32,
-        window_right: cutlass.Int32, stream: cuda.CUstream,
+        scale: cutlass.Float32, softcap: cutlass.Float32, diag_offset: cutlass.Int32,
+        window_left: cutlass.Int32, window_right: cutlass.Int32, stream: cuda.CUstream,
         mQSeg: cute.Tensor,  # [B, T] int32
         mKVSeg: cute.Tensor,  # [B, S] int32
         mKVBounds: cute.Tensor,  # [B, T, 2] int32
     ):
         """Entry point of the packed-document variant (has_segments)."""
-        self._launch(mQ, mK, mV, mO, mLSE, mQLens, mKVLens, scale, diag_offset,
+        self._launch(mQ, mK, mV, mO, mLSE, mQLens, mKVLens, scale, softcap, diag_offset,
                      window_left, window_right, stream, mQSeg, mKVSeg, mKVBounds)
 
     @cute.jit
     def _launch(
-        self, mQ, mK, mV, mO, mLSE, mQLens, mKVLens, scale, diag_offset,
+        self, mQ, mK, mV, mO, mLSE, mQLens, mKVLens, scale, softcap, diag_offset,
         window_left, window_right, stream, mQSeg, mKVSeg, mKVBounds,
     ):
         if cutlass.const_expr(self.has_segments != (mQSeg is not None)):
@@ -226,7 +228,7 @@ class FlashFwdSm90:
         self.kernel(
             tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, tma_o, mO_tma,
             mLSE, mQLens, mKVLens,
-            scale * LOG2E, diag_offset, window_left, window_right,
+            scale, softcap, diag_offset, window_left, window_right,
             mQSeg, mKVSeg, mKVBounds,
             sQ_layout, sK_layout, sV_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
@@ -251,7 +253,8 @@ class FlashFwdSm90:
         mLSE: cute.Tensor,
         mQLens: cute.Tensor,
         mKVLens: cute.Tensor,
-        scale_log2: cutlass.Float32,
+        scale: cutlass.Float32,
+        softcap: cutlass.Float32,
         diag_offset: cutlass.Int32,
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
@@ -334,10 +337,11 @@ class FlashFwdSm90:
                 )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            scale_log2, softcap_in = logit_scales(scale, softcap)
             self._consume(
                 tidx % WG_THREADS, wg_idx - 1, tma_o, mO, mLSE, sQ, sK, sV,
                 pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
-                scale_log2, diag_offset, window_left, window_right,
+                scale_log2, softcap_in, diag_offset, window_left, window_right,
                 head_q, batch, m_block, q_len, kv_len, n_block_min, n_block_max,
                 num_n_blocks, mQSeg, mKVSeg,
             )
@@ -396,7 +400,7 @@ class FlashFwdSm90:
     def _consume(
         self, tidx, wg, tma_o, mO, mLSE, sQ, sK, sV,
         pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
-        scale_log2, diag_offset, window_left, window_right,
+        scale_log2, softcap_in, diag_offset, window_left, window_right,
         head_q, batch, m_block, q_len, kv_len, n_block_min, n_block_max, num_n_blocks,
         mQSeg, mKVSeg,
     ):
@@ -474,6 +478,7 @@ class FlashFwdSm90:
             col_seg = self._load_col_ids(mKVSeg, tScS, batch, n_block * tile_n)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(kv_state)
+            cap_scores(acc_S, softcap_in)
             acc_S_mn = self._mn_view(acc_S)
             self._apply_mask(acc_S_mn, tScS, row_start, n_block * tile_n, q_len, kv_len,
                              diag_offset, window_left, window_right, row_seg, col_seg)
@@ -494,6 +499,7 @@ class FlashFwdSm90:
                 col_seg = self._load_col_ids(mKVSeg, tScS, batch, n_block * tile_n)
                 warpgroup.wait_group(1)
                 pipe_k.consumer_release(kv_state)
+                cap_scores(acc_S, softcap_in)
                 acc_S_mn = self._mn_view(acc_S)
                 if cutlass.const_expr(self.has_segments):
                     self._apply_mask(acc_S_mn, tScS, row_start, n_block * tile_n, q_len,

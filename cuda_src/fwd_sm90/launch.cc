@@ -83,6 +83,7 @@ int Validate(const JfFwdArgs* args, char* err, size_t err_len) {
     return Fail(err, err_len, "jax_flash_fwd_sm90: has_segments must be 0 or 1, got %d",
                 p.has_segments);
   }
+  if (jax_flash_launch::CheckOptions(p, "jax_flash_fwd_sm90", err, err_len) != 0) return 1;
   if (FindVariant(p) == nullptr) {
     return Fail(err, err_len,
                 "jax_flash_fwd_sm90: no kernel for JfDtype %d, head_dim %d, head_dim_v %d "

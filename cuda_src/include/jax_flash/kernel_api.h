@@ -15,6 +15,8 @@
 //   q_lens, kv_lens [batch] int32        valid prefix of each sequence
 //   dq_accum [batch, seqlen_q, heads_q, head_dim] float32, final (scaled) dQ
 //   dk, dv   like k, v, in the input dtype
+//   dq_semaphore [batch, heads_q, ceil(seqlen_q / 32)] int32, scratch of the
+//            deterministic backward (problem.deterministic = 1), else NULL
 //
 // Query head h reads key/value head h / (heads_q / heads_kv).
 //
@@ -36,6 +38,14 @@
 // a packed row costs the sum of its documents' work.
 // A query row that sees no key writes zeros to o and -inf to lse; its
 // gradients are zero.
+//
+// Soft capping (problem.softcap > 0): the logit of a visible pair is
+// softcap * tanh(scale * q.k / softcap) instead of scale * q.k.
+//
+// Deterministic backward (problem.deterministic = 1): dq_accum is summed in
+// a fixed order, so repeated calls give bitwise equal gradients. The GPU
+// kernels order their dQ additions per query tile through dq_semaphore,
+// which the launcher zeroes on the stream.
 #ifndef JAX_FLASH_KERNEL_API_H_
 #define JAX_FLASH_KERNEL_API_H_
 
@@ -66,6 +76,8 @@ typedef struct JfProblem {
   int32_t window_left;   // < 0: unbounded
   int32_t window_right;  // < 0: unbounded
   int32_t has_segments;  // 1: the segment pointers of the args are set
+  float softcap;          // > 0: cap the logits (see above); 0: no cap
+  int32_t deterministic;  // 1: bitwise reproducible backward
 } JfProblem;
 
 typedef struct JfFwdArgs {
@@ -100,6 +112,7 @@ typedef struct JfBwdArgs {
   const int32_t* kv_segment_ids;
   const int32_t* kv_bounds;
   const int32_t* q_bounds;
+  int32_t* dq_semaphore;
 } JfBwdArgs;
 
 // Return 0 on success. On failure return non-zero and write a NUL-terminated
