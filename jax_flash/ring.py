@@ -20,6 +20,11 @@ Layouts (where the sequence positions live):
   same work (one early and one late chunk). ``to_zigzag`` / ``from_zigzag``
   permute a sequence into and out of this order.
 
+Packed documents: the kv segment ids travel with their K/V block, and each
+kernel call gets the ids of its two chunks and the document bounds computed
+within them, so the kernels skip the tiles between documents as in
+``jax_flash.attention``.
+
 Each device splits its blocks into chunks (one or two) and runs one kernel
 call per (query chunk, key chunk) pair. Which kernel call a pair needs depends
 on how far apart the two chunks are in the sequence; the device index is only
@@ -38,7 +43,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flash import api, ffi, sharding, validation
+from jax_flash import api, ffi, segments, sharding, validation
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -65,7 +70,7 @@ class _Ring:
   def num_chunks(self) -> int:
     return self.axis_size * self.chunks_per_device
 
-  def chunk_ids(self, device) -> list:
+  def chunk_indices(self, device) -> list:
     """The sequence chunk indices that ``device`` (possibly traced) holds."""
     if self.layout == "zigzag":
       return [device, self.num_chunks - 1 - device]
@@ -113,9 +118,23 @@ def _lengths(x, size: int):
 
 
 def _hop(ring: _Ring, *xs):
-  """Sends each array to the next device of the ring."""
+  """Sends each array (None passes through) to the next device of the ring."""
   perm = [(d, (d + 1) % ring.axis_size) for d in range(ring.axis_size)]
   return jax.lax.ppermute(xs, ring.axis_name, perm)
+
+
+def _split_segments(segment_ids, parts: int) -> list:
+  """The per-chunk segment ids of a block; [None] * parts without them."""
+  return [None] * parts if segment_ids is None else _split(segment_ids, parts, 1)
+
+
+def _segment_operands(q, q_segments, kv_segments):
+  """The packed-document operands of one (query chunk, key chunk) call: the
+  bounds are positions within these two chunks, as the kernel indexes them."""
+  if q_segments is None:
+    return ffi.no_segments(q)
+  bounds = segments.segment_bounds(q_segments, kv_segments)
+  return ffi.segment_operands(q_segments, kv_segments, *bounds)
 
 
 def _pair(ring: _Ring, d, run_call, skip, *operands):
@@ -134,108 +153,118 @@ def _merge(out, lse, block_out, block_lse):
   return out * weight(lse) + block_out.astype(jnp.float32) * weight(block_lse), new_lse
 
 
-def _ring_forward(q, k, v, ring: _Ring):
+def _ring_forward(q, k, v, segment_ids, ring: _Ring):
   parts = ring.chunks_per_device
   device = jax.lax.axis_index(ring.axis_name)
-  q_ids, q_chunks = ring.chunk_ids(device), _split(q, parts, 1)
+  q_places, q_chunks = ring.chunk_indices(device), _split(q, parts, 1)
+  q_segments, kv_segments = (None, None) if segment_ids is None else segment_ids
+  q_segment_chunks = _split_segments(q_segments, parts)
   batch, _, heads_q, _ = q.shape
 
-  def run_call(call, q, k, v):
+  def run_call(call, q, k, v, q_segments, kv_segments):
     return sharding.forward(q, k, v, _lengths(q, q.shape[1]), _lengths(k, k.shape[1]),
-                            *ffi.no_segments(q), call)
+                            *_segment_operands(q, q_segments, kv_segments), call)
 
-  def skip(call, q, k, v):
+  def skip(call, q, k, v, q_segments, kv_segments):
     del call
     out = jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype)
     lse = jnp.full((batch, heads_q, q.shape[1]), -jnp.inf, jnp.float32)
-    return sharding.match_varying((out, lse), (q, k, v))
+    return sharding.match_varying((out, lse), (q, k, v, q_segments, kv_segments))
 
   def step(s, carry):
-    k, v, outs, lses = carry
-    next_k, next_v = _hop(ring, k, v)
-    k_ids = ring.chunk_ids((device - s) % ring.axis_size)
+    k, v, kv_segments, outs, lses = carry
+    next_k, next_v, next_kv_segments = _hop(ring, k, v, kv_segments)
+    k_places = ring.chunk_indices((device - s) % ring.axis_size)
     k_chunks, v_chunks = _split(k, parts, 1), _split(v, parts, 1)
+    kv_segment_chunks = _split_segments(kv_segments, parts)
     outs, lses = list(outs), list(lses)
     for a, q_chunk in enumerate(q_chunks):
       for b in range(parts):
-        block = _pair(ring, q_ids[a] - k_ids[b], run_call, skip, q_chunk, k_chunks[b], v_chunks[b])
+        block = _pair(ring, q_places[a] - k_places[b], run_call, skip, q_chunk, k_chunks[b],
+                      v_chunks[b], q_segment_chunks[a], kv_segment_chunks[b])
         outs[a], lses[a] = _merge(outs[a], lses[a], *block)
-    return next_k, next_v, outs, lses
+    return next_k, next_v, next_kv_segments, outs, lses
 
   outs = [jnp.zeros((*c.shape[:-1], v.shape[-1]), jnp.float32) for c in q_chunks]
   lses = [jnp.full((batch, heads_q, c.shape[1]), -jnp.inf, jnp.float32) for c in q_chunks]
-  outs, lses = sharding.match_varying((outs, lses), (q, k, v))
-  _, _, outs, lses = jax.lax.fori_loop(0, ring.axis_size, step, (k, v, outs, lses))
+  outs, lses = sharding.match_varying((outs, lses), (q, k, v, segment_ids))
+  *_, outs, lses = jax.lax.fori_loop(0, ring.axis_size, step, (k, v, kv_segments, outs, lses))
   return _concat(outs, 1).astype(q.dtype), _concat(lses, -1)
 
 
-def _ring_backward(q, k, v, dout, lse, delta, ring: _Ring):
+def _ring_backward(q, k, v, segment_ids, dout, lse, delta, ring: _Ring):
   parts = ring.chunks_per_device
   device = jax.lax.axis_index(ring.axis_name)
-  q_ids = ring.chunk_ids(device)
+  q_places = ring.chunk_indices(device)
   q_chunks, dout_chunks = _split(q, parts, 1), _split(dout, parts, 1)
   lse_chunks, delta_chunks = _split(lse, parts, -1), _split(delta, parts, -1)
+  q_segments, kv_segments = (None, None) if segment_ids is None else segment_ids
+  q_segment_chunks = _split_segments(q_segments, parts)
 
-  def run_call(call, q, k, v, dout, lse, delta):
+  def run_call(call, q, k, v, dout, lse, delta, q_segments, kv_segments):
     return sharding.backward(q, k, v, dout, lse, delta, _lengths(q, q.shape[1]),
-                             _lengths(k, k.shape[1]), *ffi.no_segments(q), call)
+                             _lengths(k, k.shape[1]),
+                             *_segment_operands(q, q_segments, kv_segments), call)
 
-  def skip(call, q, k, v, dout, lse, delta):
+  def skip(call, q, k, v, dout, lse, delta, q_segments, kv_segments):
     del call
     grads = (jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(k), jnp.zeros_like(v))
-    return sharding.match_varying(grads, (q, k, v, dout, lse, delta))
+    return sharding.match_varying(grads, (q, k, v, dout, lse, delta, q_segments, kv_segments))
 
   def step(s, carry):
-    k, v, dk, dv, dqs = carry
-    next_k, next_v = _hop(ring, k, v)
-    k_ids = ring.chunk_ids((device - s) % ring.axis_size)
+    k, v, kv_segments, dk, dv, dqs = carry
+    next_k, next_v, next_kv_segments = _hop(ring, k, v, kv_segments)
+    k_places = ring.chunk_indices((device - s) % ring.axis_size)
     k_chunks, v_chunks = _split(k, parts, 1), _split(v, parts, 1)
+    kv_segment_chunks = _split_segments(kv_segments, parts)
     dqs = list(dqs)
     dk_chunks = [jnp.float32(0)] * parts
     dv_chunks = [jnp.float32(0)] * parts
     for a in range(parts):
       for b in range(parts):
-        dq_p, dk_p, dv_p = _pair(ring, q_ids[a] - k_ids[b], run_call, skip, q_chunks[a],
+        dq_p, dk_p, dv_p = _pair(ring, q_places[a] - k_places[b], run_call, skip, q_chunks[a],
                                  k_chunks[b], v_chunks[b], dout_chunks[a], lse_chunks[a],
-                                 delta_chunks[a])
+                                 delta_chunks[a], q_segment_chunks[a], kv_segment_chunks[b])
         dqs[a] = dqs[a] + dq_p
         dk_chunks[b] = dk_chunks[b] + dk_p.astype(jnp.float32)
         dv_chunks[b] = dv_chunks[b] + dv_p.astype(jnp.float32)
     # The accumulators travel with their block and are home after n hops.
     dk, dv = _hop(ring, dk + _concat(dk_chunks, 1), dv + _concat(dv_chunks, 1))
-    return next_k, next_v, dk, dv, dqs
+    return next_k, next_v, next_kv_segments, dk, dv, dqs
 
   dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
   dqs = [jnp.zeros(c.shape, jnp.float32) for c in q_chunks]
-  dk, dv, dqs = sharding.match_varying((dk, dv, dqs), (q, k, v, dout))
-  _, _, dk, dv, dqs = jax.lax.fori_loop(0, ring.axis_size, step, (k, v, dk, dv, dqs))
+  dk, dv, dqs = sharding.match_varying((dk, dv, dqs), (q, k, v, dout, segment_ids))
+  *_, dk, dv, dqs = jax.lax.fori_loop(0, ring.axis_size, step,
+                                      (k, v, kv_segments, dk, dv, dqs))
   return _concat(dqs, 1), dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ring_attention(q, k, v, ring: _Ring):
-  return _ring_forward(q, k, v, ring)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ring_attention(q, k, v, segment_ids, ring: _Ring):
+  """``segment_ids``: None or the (q, kv) pair of this device's blocks."""
+  return _ring_forward(q, k, v, segment_ids, ring)
 
 
-def _ring_attention_fwd(q, k, v, ring):
-  out, lse = _ring_forward(q, k, v, ring)
-  return (out, lse), (q, k, v, out, lse)
+def _ring_attention_fwd(q, k, v, segment_ids, ring):
+  out, lse = _ring_forward(q, k, v, segment_ids, ring)
+  return (out, lse), (q, k, v, segment_ids, out, lse)
 
 
 def _ring_attention_bwd(ring, residuals, cotangents):
-  q, k, v, out, lse = residuals
+  q, k, v, segment_ids, out, lse = residuals
   dout, dlse = cotangents
   delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
   delta = delta - dlse.astype(jnp.float32)
-  dq, dk, dv = _ring_backward(q, k, v, dout.astype(q.dtype), lse, delta, ring)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  dq, dk, dv = _ring_backward(q, k, v, segment_ids, dout.astype(q.dtype), lse, delta, ring)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
 
 
 def ring_attention(q, k, v, *, axis_name, causal: bool = False, window=None,
-                   scale: float | None = None, layout: str = "contiguous",
+                   scale: float | None = None, segment_ids=None, layout: str = "contiguous",
                    return_lse: bool = False, implementation: str | None = None):
   """Attention over a sequence sharded along the mesh axis ``axis_name``.
 
@@ -245,7 +274,10 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, window=None,
   docstring). Masks follow ``jax_flash.attention`` on the global sequence;
   ``causal`` and ``window`` need self-attention (equal block lengths, even
   ones for ``"zigzag"``). Use ``"zigzag"`` with ``causal`` to balance the
-  work. GQA / MQA work as in ``attention``. ``implementation``: ``None``,
+  work. GQA / MQA work as in ``attention``. ``segment_ids`` (packed
+  documents) follow ``attention`` too, as this device's blocks: one int32
+  ``[batch, seq_local]`` array or a ``(q_segment_ids, kv_segment_ids)`` pair,
+  sharded and ordered like q and k. ``implementation``: ``None``,
   ``"flash"``, ``"cpu"`` or ``"gpu"``; the ring always runs the kernels.
 
   Returns this device's block of ``out``, or ``(out, lse)`` (lse ``[batch,
@@ -260,6 +292,7 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, window=None,
   shapes = validation.check_qkv(q, k, v)
   scale = validation.check_scale(scale, shapes.head_dim)
   window_left, window_right = validation.check_window(window, "window")
+  q_segments, kv_segments = validation.check_segment_ids(segment_ids, shapes)
   if causal:
     window_right = 0 if window_right < 0 else min(window_right, 0)
   masked = window_left >= 0 or window_right >= 0
@@ -280,23 +313,30 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, window=None,
   ring = _Ring(axis_name=axis_name, axis_size=axis_size, layout=layout,
                chunk_q=shapes.seq_q // parts, chunk_k=shapes.seq_k // parts, backend=backend,
                scale=scale, window_left=window_left, window_right=window_right)
-  out, lse = _ring_attention(q, k, v, ring)
+  segment_ids = None if q_segments is None else (q_segments, kv_segments)
+  out, lse = _ring_attention(q, k, v, segment_ids, ring)
   return (out, lse) if return_lse else out
 
 
 def ring_attention_sharded(q, k, v, *, mesh, seq_axis, batch_axis=None, head_axis=None,
                            causal: bool = False, window=None, scale: float | None = None,
-                           layout: str = "contiguous", return_lse: bool = False,
-                           implementation: str | None = None):
+                           segment_ids=None, layout: str = "contiguous",
+                           return_lse: bool = False, implementation: str | None = None):
   """``ring_attention`` on global arrays: the ``shard_map`` over ``mesh``
   done for you.
 
   q, k and v (``[batch, seq, heads, head_dim]``, in ``layout`` order) are
   sharded along ``seq_axis`` for the ring, and optionally along
   ``batch_axis`` (data parallel) and ``head_axis`` (tensor parallel, whole GQA
-  groups: ``heads_kv`` must be a multiple of its size). Mesh axes named
-  nowhere are replicated. Works inside or outside ``jax.jit``.
+  groups: ``heads_kv`` must be a multiple of its size). ``segment_ids``
+  (``[batch, seq]``, one array or a q / kv pair, in the same ``layout``
+  order) are sharded like the sequence of q and k. Mesh axes named nowhere
+  are replicated. Works inside or outside ``jax.jit``.
   """
+  # Checked on the global shapes here: inside shard_map the messages would
+  # name the per-device blocks.
+  q_segments, kv_segments = validation.check_segment_ids(segment_ids,
+                                                         validation.check_qkv(q, k, v))
   if head_axis is not None:
     shards = int(np.prod([mesh.shape[a] for a in sharding.axes_of(head_axis)]))
     heads_kv = np.shape(k)[2]
@@ -304,16 +344,23 @@ def ring_attention_sharded(q, k, v, *, mesh, seq_axis, batch_axis=None, head_axi
       raise NotImplementedError(
           f"head_axis={head_axis!r} shards heads {shards} ways, which splits GQA groups of "
           f"heads_kv={heads_kv} kv heads; use a head axis whose size divides heads_kv")
-  spec = P(batch_axis, seq_axis, head_axis, None)
-  kernel = functools.partial(ring_attention, axis_name=seq_axis, causal=causal, window=window,
-                             scale=scale, layout=layout, return_lse=return_lse,
-                             implementation=implementation)
+  spec, segment_spec = P(batch_axis, seq_axis, head_axis, None), P(batch_axis, seq_axis)
+  arrays, in_specs = [q, k, v], [spec, spec, spec]
+  if q_segments is not None:
+    arrays += [q_segments, kv_segments]
+    in_specs += [segment_spec, segment_spec]
+
+  def kernel(q, k, v, *segment_pair):
+    return ring_attention(q, k, v, axis_name=seq_axis, causal=causal, window=window,
+                          scale=scale, segment_ids=segment_pair or None, layout=layout,
+                          return_lse=return_lse, implementation=implementation)
+
   out_specs = (spec, P(batch_axis, head_axis, seq_axis)) if return_lse else spec
   if AxisType.Explicit in mesh.axis_types:
     # shard_map takes explicitly sharded inputs only in its in_specs' sharding.
-    q, k, v = (jax.sharding.reshard(x, NamedSharding(mesh, spec)) for x in (q, k, v))
-  return jax.shard_map(kernel, mesh=mesh, in_specs=(spec, spec, spec), out_specs=out_specs)(
-      q, k, v)
+    arrays = [jax.sharding.reshard(x, NamedSharding(mesh, s)) for x, s in zip(arrays, in_specs)]
+  return jax.shard_map(kernel, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs)(
+      *arrays)
 
 
 def zigzag_indices(seq_len: int, num_devices: int) -> np.ndarray:

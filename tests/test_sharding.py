@@ -1,6 +1,7 @@
 """Multi-device attention on 8 fake CPU devices (conftest.py sets XLA_FLAGS):
 batch / heads sharding through jit and shard_map, ring attention over a
-sharded sequence, and the errors for shardings the kernels cannot serve."""
+sharded sequence (with packed documents too), and the errors for shardings
+the kernels cannot serve."""
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_flash
 import numerics
-from attention_base import mask_kwargs
+from attention_base import mask_kwargs, packed_segment_ids
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
 
@@ -151,24 +152,106 @@ RING_CASES = {
 }
 
 
+def ring_sharded(mesh, layout, segment_ids=None, **kwargs):
+  """q, k, v -> (out, lse) of the ring over "sp" (data parallel over "dp")
+  for inputs already in ``layout`` order; segment ids are captured, so put
+  them in ``layout`` order too."""
+  return lambda q, k, v: jax_flash.ring_attention_sharded(
+      q, k, v, mesh=mesh, seq_axis="sp", batch_axis="dp", segment_ids=segment_ids,
+      layout=layout, return_lse=True, implementation="cpu", **kwargs)
+
+
+def check_ring(layout, q, k, v, dout, causal=False, window=None, segment_ids=None):
+  """Ring attention over sp=4 (dp=2) against the unsharded float64 reference,
+  outputs and gradients; inputs in sequence order."""
+  mesh, sp = auto_mesh(names=("dp", "sp")), 4
+  zigzag = layout == "zigzag"
+  order = (lambda x: jax_flash.to_zigzag(x, sp)) if zigzag else (lambda x: x)
+  unorder = (lambda x, axis=1: jax_flash.from_zigzag(x, sp, axis)) if zigzag else (
+      lambda x, axis=1: x)
+  run = forward_backward(ring_sharded(mesh, layout, jax.tree.map(order, segment_ids),
+                                      causal=causal, window=window))
+  out, lse, dq, dk, dv = run(*map(order, (q, k, v, dout)))
+  assert_sharded(out, mesh, P("dp", "sp"))
+  assert_sharded(lse, mesh, P("dp", None, "sp"))
+  got = (unorder(out), unorder(lse, axis=2), *map(unorder, (dq, dk, dv)))
+  mask = mask_kwargs(q.shape[1], k.shape[1], causal, window, segment_ids=segment_ids)
+  assert_matches_reference(got, q, k, v, dout, **mask)
+  return got
+
+
 @pytest.mark.parametrize("case", list(RING_CASES))
 def test_ring_attention(case):
   layout, causal, window, heads_kv = (RING_CASES[case][key] for key in
                                       ("layout", "causal", "window", "heads_kv"))
-  mesh, sp = auto_mesh(names=("dp", "sp")), 4
   seq = 96  # 12 positions per zigzag chunk
   q, k, v, dout = numerics.random_qkv(5, 2, seq, seq, 4, heads_kv, 32, DTYPE)
-  order = (lambda x: jax_flash.to_zigzag(x, sp)) if layout == "zigzag" else (lambda x: x)
-  unorder = (lambda x: jax_flash.from_zigzag(x, sp)) if layout == "zigzag" else (lambda x: x)
-  run = forward_backward(lambda q, k, v: jax_flash.ring_attention_sharded(
-      q, k, v, mesh=mesh, seq_axis="sp", batch_axis="dp", causal=causal, window=window,
-      layout=layout, return_lse=True, implementation="cpu"))
-  out, lse, dq, dk, dv = run(*map(order, (q, k, v, dout)))
-  assert_sharded(out, mesh, P("dp", "sp"))
-  assert_sharded(lse, mesh, P("dp", None, "sp"))
-  got = (unorder(out), jnp.swapaxes(unorder(jnp.swapaxes(lse, 1, 2)), 1, 2),
-         *map(unorder, (dq, dk, dv)))
-  assert_matches_reference(got, q, k, v, dout, **mask_kwargs(seq, seq, causal, window))
+  check_ring(layout, q, k, v, dout, causal, window)
+
+
+def interleaved_segment_ids(seed, batch, seq, num_docs):
+  """Ids drawn at random per token: documents that are not contiguous, so
+  the kernels' bounds span other documents' tokens."""
+  ids = np.random.default_rng(seed).integers(0, num_docs, (batch, seq))
+  return jnp.asarray(ids, jnp.int32)
+
+
+# Packed documents through the ring: 5 documents of random lengths that cross
+# the block boundaries, and 7 padding tokens (id -1 for q and kv alike); or
+# "interleaved", 3 ids drawn per token.
+SEGMENT_CASES = {
+    "contiguous_full_gqa": dict(layout="contiguous", causal=False, heads_kv=2),
+    "contiguous_causal_gqa": dict(layout="contiguous", causal=True, heads_kv=2),
+    "zigzag_causal_gqa": dict(layout="zigzag", causal=True, heads_kv=2),
+    "zigzag_full_mqa": dict(layout="zigzag", causal=False, heads_kv=1),
+    "zigzag_causal_window_interleaved": dict(layout="zigzag", causal=True, window=(30, None),
+                                             heads_kv=2, interleaved=True),
+}
+
+
+@pytest.mark.parametrize("case", list(SEGMENT_CASES))
+def test_ring_attention_segment_ids(case):
+  config = dict(SEGMENT_CASES[case])
+  layout, heads_kv = config.pop("layout"), config.pop("heads_kv")
+  seq = 96
+  if config.pop("interleaved", False):
+    ids = interleaved_segment_ids(14, 2, seq, num_docs=3)
+  else:
+    ids = packed_segment_ids(14, 2, seq, num_docs=5, padding=7)
+  q, k, v, dout = numerics.random_qkv(15, 2, seq, seq, 4, heads_kv, 32, DTYPE)
+  check_ring(layout, q, k, v, dout, segment_ids=ids, **config)
+
+
+def test_ring_attention_cross_segment_ids():
+  # A (q, kv) pair of different lengths; q's 6 padding tokens (id -1) match no
+  # key in any block: zero output, -inf lse, zero dq.
+  q_ids = packed_segment_ids(16, 2, 64, num_docs=4, padding=6)
+  kv_ids = packed_segment_ids(17, 2, 96, num_docs=4)
+  q, k, v, dout = numerics.random_qkv(18, 2, 64, 96, 4, 2, 32, DTYPE)
+  out, lse, dq, _, _ = check_ring("contiguous", q, k, v, dout, segment_ids=(q_ids, kv_ids))
+  assert np.all(np.asarray(out)[:, -6:] == 0) and np.all(np.asarray(dq)[:, -6:] == 0)
+  assert np.all(np.isneginf(np.asarray(lse)[:, :, -6:]))
+
+
+def test_ring_documents_are_independent():
+  # Changing every token of one document leaves the outputs and gradients of
+  # the other documents bitwise unchanged, through the ring and its merges.
+  mesh, sp, seq = auto_mesh(names=("dp", "sp")), 4, 96
+  ids = jax_flash.to_zigzag(packed_segment_ids(19, 2, seq, num_docs=4), sp)
+  q, k, v, dout = (jax_flash.to_zigzag(x, sp) for x in
+                   numerics.random_qkv(20, 2, seq, seq, 4, 2, 32, DTYPE))
+  run = forward_backward(ring_sharded(mesh, "zigzag", ids, causal=True))
+  changed = ids == 2
+  bump = lambda x: jnp.where(changed[:, :, None, None], x * 2 + 1, x)
+  first = run(q, k, v, dout)
+  second = run(bump(q), bump(k), bump(v), bump(dout))
+  keep = ~np.asarray(changed)
+  for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), first, second):
+    a, b = np.asarray(a), np.asarray(b)
+    if name == "lse":  # [B, N, T]: move the tokens next to the batch
+      a, b = np.swapaxes(a, 1, 2), np.swapaxes(b, 1, 2)
+    assert not np.array_equal(a, b), f"{name}: the changed document must change something"
+    np.testing.assert_array_equal(a[keep], b[keep], err_msg=name)
 
 
 def test_ring_attention_lse_cotangent_and_heads_axis():
@@ -192,14 +275,18 @@ def test_ring_attention_lse_cotangent_and_heads_axis():
 
 
 def test_ring_attention_sharded_on_explicit_mesh():
-  # Unsharded inputs on a jax.make_mesh (Explicit) mesh are resharded for the ring.
+  # Unsharded inputs (segment ids too) on a jax.make_mesh (Explicit) mesh are
+  # resharded for the ring.
   mesh = jax.make_mesh((2, 4), ("dp", "sp"))
   q, k, v, _ = numerics.random_qkv(9, 2, 32, 32, 2, 1, 16, jnp.float32)
+  ids = packed_segment_ids(9, 2, 32, num_docs=3)
   grads = lambda attend: jax.jit(jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v) ** 2),
                                           (0, 1, 2)))(q, k, v)
   ring = grads(lambda q, k, v: jax_flash.ring_attention_sharded(
-      q, k, v, mesh=mesh, seq_axis="sp", batch_axis="dp", causal=True, implementation="cpu"))
-  plain = grads(lambda q, k, v: jax_flash.attention(q, k, v, causal=True, implementation="cpu"))
+      q, k, v, mesh=mesh, seq_axis="sp", batch_axis="dp", causal=True, segment_ids=ids,
+      implementation="cpu"))
+  plain = grads(lambda q, k, v: jax_flash.attention(q, k, v, causal=True, segment_ids=ids,
+                                                    implementation="cpu"))
   for got, want in zip(ring, plain):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
@@ -228,6 +315,14 @@ def test_zigzag_round_trip():
     (dict(causal=True, seq_k=32), ValueError, "needs q and k/v blocks of one length"),
     (dict(layout="zigzag", seq_q=15, seq_k=15), ValueError, "even local sequence lengths"),
     (dict(head_axis="tp", heads_kv=1), NotImplementedError, "splits GQA groups"),
+    (dict(segment_ids=jnp.zeros((1, 63), jnp.int32)), ValueError,
+     r"q_segment_ids must have shape \(1, 64\), got \(1, 63\)"),
+    (dict(segment_ids=(jnp.zeros((1, 64), jnp.int32), jnp.zeros((2, 64), jnp.int32))),
+     ValueError, r"kv_segment_ids must have shape \(1, 64\), got \(2, 64\)"),
+    (dict(segment_ids=jnp.zeros((1, 64), jnp.float32)), ValueError,
+     "q_segment_ids must have dtype int32, got float32"),
+    (dict(segment_ids=jnp.zeros((1, 64), jnp.int32), seq_k=32), ValueError,
+     "one segment_ids array needs seq_q == seq_k"),
 ])
 def test_ring_errors(kwargs, error, match):
   mesh = auto_mesh((2, 4), ("tp", "sp"))
