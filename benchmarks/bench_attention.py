@@ -1,31 +1,77 @@
-"""jax_flash against cuDNN and XLA, in one process on one GPU.
+"""jax_flash against cuDNN, JAX's Pallas Mosaic GPU attention and XLA, in one process on one GPU.
 
-    python benchmarks/bench_attention.py --head-dims 64 128 256 --seqs 2048 8192 \
-        --out benchmarks/results/h100-2026-11-21.json
+    python benchmarks/bench_attention.py --out benchmarks/results/h100-2026-11-30.json \
+        --plot sweep_bf16.png
+    python benchmarks/bench_attention.py --dtype float16 --head-dims 128   # with Pallas
 
-Every configuration keeps ``--tokens`` tokens per batch (batch = tokens / seq)
-and ``--heads`` heads. Prints TFLOPS, the ratio to cuDNN and the fraction of a
-bf16 matmul ceiling measured in the same run; appends DESIGN.md §8 rows to
-``--out``.
+The default sweep is issue 3's grid: head dims 64, 128, 256 x sequence lengths
+1k to 32k x causal and not. Every configuration keeps ``--tokens`` tokens per
+batch (batch = tokens / seq) and ``--heads`` heads, and every implementation
+gets the same inputs. Prints TFLOPS, the ratio to cuDNN and the fraction of a
+matmul ceiling (in ``--dtype``) measured in the same run; appends DESIGN.md §8
+rows to ``--out``; ``--plot`` draws them (``benchmarks/plot_results.py``).
+Pallas Mosaic GPU (``pallas_mgpu``) runs in float16 on Hopper only. Unless
+``--iters`` is given, the forward and the forward + backward timings each last
+about a quarter second, so a measurement takes about a second with compiling.
 """
 
 import argparse
+import inspect
 import itertools
 import json
 import pathlib
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
 
 import jax_flash
+import plot_results
 from jax_flash import benchmark
 
 # XLA materialises the [B, N, S, S] scores; past this length it runs out of memory.
 XLA_MAX_SEQ = 8192
+DETERMINISTIC = "deterministic"
+HEADER = (f"{'hd':>4}{'seq':>7}{'causal':>7}  {'impl':<24}{'fwd TF':>8}{'bwd TF':>8}"
+          f"{'fwd/cuDNN':>10}{'bwd/cuDNN':>10}{'fwd/ceil':>9}{'bwd/ceil':>9}{'elapsed':>9}")
 
 
-def main(argv=None) -> int:
+def sweep_configs(head_dims, seqs, causal_values, tokens: int, heads: int, dtype: str) -> list:
+  """One Config per (head dim, seq, causal), ``tokens`` tokens per batch."""
+  return [benchmark.Config(max(tokens // seq, 1), seq, heads, head_dim, causal, dtype)
+          for head_dim, seq, causal in itertools.product(head_dims, seqs, causal_values)]
+
+
+def measured_line(config, name: str, result: dict, anchor: dict | None, ceiling: float,
+                  elapsed_s: float) -> str:
+  """One table line: TFLOPS, ratios to cuDNN (``anchor``) and to the matmul
+  ceiling; a dash where a number is missing."""
+  def number(value, width, digits):
+    return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
+
+  def ratio(op, reference):
+    value = result.get(f"{op}_tflops")
+    return None if value is None or not reference else value / reference
+
+  cells = [number(result.get("fwd_tflops"), 8, 1), number(result.get("bwd_tflops"), 8, 1)]
+  anchor = anchor or {}
+  cells += [number(ratio(op, anchor.get(f"{op}_tflops")), 10, 2) for op in ("fwd", "bwd")]
+  cells += [number(ratio(op, ceiling), 9, 2) for op in ("fwd", "bwd")]
+  return (f"{config.head_dim:>4}{config.seq:>7}{str(config.causal):>7}  {name:<24}"
+          + "".join(cells) + f"{elapsed_s:>8.0f}s")
+
+
+def measurements(impls, deterministic: bool) -> list:
+  """(impl, variant, jax_flash options) to time per configuration, cuDNN first
+  so that every line can print its ratio to it."""
+  plan = [(impl, "", {}) for impl in sorted(impls, key=lambda impl: impl != "cudnn")]
+  if deterministic:
+    plan.append(("jax_flash", DETERMINISTIC, {"deterministic": True}))
+  return plan
+
+
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
   parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
@@ -33,54 +79,89 @@ def main(argv=None) -> int:
   parser.add_argument("--tokens", type=int, default=16384)
   parser.add_argument("--heads", type=int, default=16)
   parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-  parser.add_argument("--impls", nargs="+", default=list(benchmark.IMPLEMENTATIONS))
-  parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--impls", nargs="+", default=list(benchmark.IMPLEMENTATIONS),
+                      choices=benchmark.IMPLEMENTATIONS)
+  parser.add_argument("--iters", type=int,
+                      help="calls per timing loop (default: as many as last about 0.05 s; 5 loops)")
+  parser.add_argument("--deterministic", action="store_true",
+                      help=f"also time jax_flash with deterministic=True (rows with variant "
+                           f"{DETERMINISTIC!r})")
   parser.add_argument("--out", type=pathlib.Path, help="JSON file to append rows to")
+  parser.add_argument("--plot", type=pathlib.Path,
+                      help="PNG of this run's TFLOPS against sequence length (needs matplotlib)")
   parser.add_argument("--packed-docs", type=int, default=0,
                       help="instead: one --tokens row of this many packed documents, causal, "
                            "first --head-dims entry; segment ids vs the dense causal row")
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
 
   if jax.default_backend() != "gpu":
     print("bench_attention: needs a GPU (jax.default_backend() is "
           f"{jax.default_backend()!r}); `python -m jax_flash` benchmarks the CPU kernels")
     return 2
   causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
-  ceiling = benchmark.matmul_ceiling_tflops()
-  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, bf16 matmul ceiling "
-        f"{ceiling:.0f} TFLOPS")
+  ceiling = benchmark.matmul_ceiling_tflops(dtype=args.dtype)
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.dtype} matmul ceiling "
+        f"{ceiling:.0f} TFLOPS", flush=True)
   if args.packed_docs:
     return packed(args, ceiling)
-  header = (f"{'hd':>4}{'seq':>7}{'causal':>7}{'impl':>11}{'fwd TF':>9}{'bwd TF':>9}"
-            f"{'fwd/cudnn':>11}{'bwd/cudnn':>11}{'fwd/ceil':>10}")
-  print(header)
-  rows = []
-  for head_dim, seq, causal in itertools.product(args.head_dims, args.seqs, causal_values):
-    config = benchmark.Config(max(args.tokens // seq, 1), seq, args.heads, head_dim, causal,
-                              args.dtype)
+
+  impls = []
+  for impl in args.impls:
+    reason = benchmark.skip_reason(impl, args.dtype)
+    if reason:
+      print(f"{impl}: {reason}, skipped")
+    else:
+      impls.append(impl)
+  deterministic = args.deterministic
+  if deterministic and DETERMINISTIC not in inspect.signature(jax_flash.attention).parameters:
+    print("--deterministic: jax_flash.attention has no `deterministic` keyword in this build; "
+          "skipped")
+    deterministic = False
+  plan = measurements(impls, deterministic)
+  configs = sweep_configs(args.head_dims, args.seqs, causal_values, args.tokens, args.heads,
+                          args.dtype)
+  print(f"{len(configs)} configurations x {len(plan)} implementations", flush=True)
+  print(HEADER, flush=True)
+  start = time.perf_counter()
+  rows, reported_errors = [], set()
+  for config in configs:
     results = {}
-    for impl in args.impls:
-      if impl == "xla" and seq > XLA_MAX_SEQ:
+    for impl, variant, options in plan:
+      if impl == "xla" and config.seq > XLA_MAX_SEQ:
         continue
+      name = f"{impl}:{variant}" if variant else impl
       try:
-        results[impl] = benchmark.measure(impl, config, iters=args.iters)
-      except Exception as e:  # an anchor that rejects a configuration is reported, not fatal
-        print(f"{head_dim:>4}{seq:>7}{str(causal):>7}{impl:>11}  failed: {type(e).__name__}: "
-              f"{str(e).splitlines()[0][:80]}")
+        result = benchmark.measure(impl, config, iters=args.iters, **options)
+      except Exception as e:  # a configuration an implementation rejects is reported, not fatal
+        print(f"{config.head_dim:>4}{config.seq:>7}{str(config.causal):>7}  {name:<24}failed: "
+              f"{benchmark.error_summary(e)}", flush=True)
         continue
-      rows += benchmark.rows(impl, config, results[impl], ceiling)
-    anchor = results.get("cudnn")
-    for impl, r in results.items():
-      ratio = lambda op: (f"{r[op + '_tflops'] / anchor[op + '_tflops']:>11.2f}" if anchor
-                          else f"{'-':>11}")
-      print(f"{head_dim:>4}{seq:>7}{str(causal):>7}{impl:>11}{r['fwd_tflops']:>9.1f}"
-            f"{r['bwd_tflops']:>9.1f}{ratio('fwd')}{ratio('bwd')}{r['fwd_tflops'] / ceiling:>10.2f}",
-            flush=True)
+      results[name] = result
+      rows += benchmark.rows(impl, config, result, ceiling, variant)
+      print(measured_line(config, name, result, results.get("cudnn"), ceiling,
+                          time.perf_counter() - start), flush=True)
+      if "bwd_error" in result and (name, result["bwd_error"]) not in reported_errors:
+        reported_errors.add((name, result["bwd_error"]))
+        print(f"      {name} has no backward here: {result['bwd_error']}", flush=True)
+
   if args.out:
     existing = json.loads(args.out.read_text()) if args.out.exists() else []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(existing + rows, indent=1) + "\n")
     print(f"wrote {len(rows)} rows to {args.out}")
+  if args.plot:
+    try:
+      plot_results.plot(rows, args.plot)
+      print(f"wrote {args.plot}")
+    except ImportError:
+      print(f"--plot: matplotlib is not installed here; draw the rows elsewhere with "
+            f"`python benchmarks/plot_results.py {args.out or 'RESULTS.json'} --out {args.plot}`")
+    except ValueError as e:
+      print(f"--plot: {e}")
   return 0
 
 

@@ -4,10 +4,15 @@ Used by ``python -m jax_flash`` and ``benchmarks/bench_attention.py``. Rows
 follow DESIGN.md §8: forward TFLOPS count ``4 * B * N * T * S * D`` (halved
 for causal when T == S); the backward counts 2.5x that and is timed as
 (forward + backward) - forward.
+
+Implementations: ``jax_flash``; cuDNN and XLA through
+``jax.nn.dot_product_attention``; ``pallas_mgpu``, JAX's Pallas Mosaic GPU
+attention (``jax.experimental.pallas.ops.gpu.attention_mgpu``: Hopper, float16).
 """
 
 import dataclasses
 import datetime
+import functools
 import statistics
 import time
 
@@ -17,7 +22,8 @@ import numpy as np
 
 import jax_flash
 
-IMPLEMENTATIONS = ("jax_flash", "cudnn", "xla")
+IMPLEMENTATIONS = ("jax_flash", "cudnn", "pallas_mgpu", "xla")
+BACKWARD_FLOP_FACTOR = 2.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,20 +40,114 @@ class Config:
     flops = 4.0 * self.batch * self.heads * self.seq * self.seq * self.head_dim
     return flops / 2 if self.causal else flops
 
+  def backward_flops(self) -> float:
+    return BACKWARD_FLOP_FACTOR * self.forward_flops()
 
-def attention_fn(impl: str, causal: bool):
-  """A function (q, k, v) -> out for one implementation name."""
+
+def skip_reason(impl: str, dtype: str) -> str | None:
+  """Why ``impl`` cannot run at all in this process with ``dtype``, or None.
+  Per-configuration limits show up as errors from ``measure`` instead."""
+  if impl != "pallas_mgpu":
+    return None
+  if jnp.dtype(dtype) != jnp.float16:
+    # The kernel stages its tiles in float16 shared memory whatever the input dtype.
+    return "fp16 only"
+  device = jax.devices()[0]
+  if getattr(device, "compute_capability", None) != "9.0":
+    return f"needs a Hopper GPU (compute capability 9.0), this is {device.device_kind}"
+  try:
+    from jax.experimental.pallas.ops.gpu import attention_mgpu  # noqa: F401
+  except ImportError as e:
+    return f"attention_mgpu does not import: {e}"
+  return None
+
+
+def attention_fn(impl: str, config: Config, **options):
+  """A function (q, k, v) -> out for one implementation name. ``options`` are
+  extra keywords of ``jax_flash.attention`` (e.g. ``deterministic=True``)."""
+  if options and impl != "jax_flash":
+    raise ValueError(f"options {sorted(options)} apply to jax_flash only, got impl {impl!r}")
   if impl == "jax_flash":
-    return lambda q, k, v: jax_flash.attention(q, k, v, causal=causal, implementation="flash")
+    return lambda q, k, v: jax_flash.attention(q, k, v, causal=config.causal,
+                                               implementation="flash", **options)
   if impl in ("cudnn", "xla"):
-    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=config.causal,
                                                         implementation=impl)
+  if impl == "pallas_mgpu":
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    tuning = pallas_mgpu_tuning(config)
+    # The kernel applies no softmax scale (callers fold it into q). Timing it on
+    # the unscaled inputs does the same work without an extra pass over q.
+    return lambda q, k, v: attention_mgpu.attention(q, k, v, tuning)
   raise ValueError(f"unknown implementation {impl!r}")
 
 
-def _time(fn, args, iters: int, reps: int = 5) -> float:
-  """Median milliseconds per call over `reps` loops of `iters` calls."""
+# Forward: 64 query rows per compute warpgroup and the widest key block whose two
+# pipelined K/V stages fit in shared memory (256 keys at head dim 64, 128 at 128,
+# 64 at 256), the choice attention_mgpu's own benchmark makes.
+PALLAS_MGPU_FORWARD_TILES = tuple(dict(block_q=64, block_kv=block_kv, max_concurrent_steps=2)
+                                  for block_kv in (256, 128, 64))
+
+
+# Backward: two compute warpgroups before one, larger blocks before smaller; the
+# tuple is (block_q_dq, block_kv_dq, block_q_dkv, block_kv_dkv). The first that
+# fits in shared memory is used.
+PALLAS_MGPU_BACKWARD_TILES = tuple(
+    dict(block_q_dq=q_dq, block_kv_dq=kv_dq, block_q_dkv=q_dkv, block_kv_dkv=kv_dkv,
+         compute_wgs_bwd=warpgroups)
+    for warpgroups in (2, 1)
+    for q_dq, kv_dq, q_dkv, kv_dkv in ((128, 128, 128, 128), (64, 128, 128, 64), (64, 64, 64, 64)))
+
+
+@functools.cache
+def pallas_mgpu_tuning(config: Config):
+  """The first attention_mgpu TuningConfig whose kernels fit in shared memory
+  for ``config``, checked by lowering (where Mosaic GPU sizes them)."""
+  from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+  q, k, v, dout = jax.eval_shape(lambda: inputs(config))
+
+  def fits(tuning, backward: bool) -> bool:
+    attend = lambda q, k, v: attention_mgpu.attention(q, k, v, tuning)
+    if backward:
+      fn, args = (lambda q, k, v, dout: jax.vjp(attend, q, k, v)[1](dout)), (q, k, v, dout)
+    else:
+      fn, args = attend, (q, k, v)
+    try:
+      jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    except ValueError as e:
+      if "exceeds available shared memory" in str(e):
+        return False
+      raise
+    return True
+
+  for tiles in PALLAS_MGPU_FORWARD_TILES:
+    forward = attention_mgpu.TuningConfig(causal=config.causal, **tiles)
+    if fits(forward, backward=False):
+      break
+  else:
+    raise NotImplementedError(f"no attention_mgpu forward tile fits in shared memory at "
+                              f"head_dim={config.head_dim}")
+  candidates = [dataclasses.replace(forward, **tiles) for tiles in PALLAS_MGPU_BACKWARD_TILES]
+  for tuning in candidates:
+    try:
+      if fits(tuning, backward=True):
+        return tuning
+    except Exception:  # no backward here (causal, in JAX 0.10 and 0.11): measure() reports why
+      return tuning
+  return candidates[-1]  # measure() reports that the backward exceeds shared memory
+
+
+def _time(fn, args, iters: int | None = None, reps: int = 5, seconds: float = 0.25) -> float:
+  """Median milliseconds per call over `reps` loops of `iters` calls. Without
+  `iters`, each loop makes enough calls that all loops last about `seconds`,
+  so short and long problems cost the sweep similar time."""
   jax.block_until_ready(fn(*args))
+  if iters is None:
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    iters = max(1, round(seconds / reps / (time.perf_counter() - start)))
   samples = []
   for _ in range(reps):
     start = time.perf_counter()
@@ -69,10 +169,20 @@ def inputs(config: Config, seed: int = 0):
           make(keys[3], shape_q))
 
 
-def measure(impl: str, config: Config, iters: int = 10, backward: bool = True) -> dict:
-  """Forward (and backward) milliseconds and TFLOPS of one implementation."""
+def error_summary(error: Exception, width: int = 100) -> str:
+  """``Type: first line of the message``, cut to ``width`` characters."""
+  lines = str(error).splitlines() or [""]
+  return f"{type(error).__name__}: {lines[0]}"[:width]
+
+
+def measure(impl: str, config: Config, iters: int | None = 10, backward: bool = True,
+            **options) -> dict:
+  """Forward (and backward) milliseconds and TFLOPS of one implementation.
+  ``iters=None`` sizes the timing loops by time (see ``_time``). A backward
+  that fails (an implementation without one) leaves ``bwd_error`` in place of
+  the backward numbers; a failing forward raises."""
   q, k, v, dout = inputs(config)
-  attend = attention_fn(impl, config.causal)
+  attend = attention_fn(impl, config, **options)
   forward = jax.jit(attend)
 
   @jax.jit
@@ -83,9 +193,13 @@ def measure(impl: str, config: Config, iters: int = 10, backward: bool = True) -
   result = {"fwd_ms": _time(forward, (q, k, v), iters)}
   result["fwd_tflops"] = config.forward_flops() / result["fwd_ms"] / 1e9
   if backward:
-    total = _time(forward_backward, (q, k, v, dout), iters)
+    try:
+      total = _time(forward_backward, (q, k, v, dout), iters)
+    except Exception as e:  # reported with the forward numbers, which stand on their own
+      result["bwd_error"] = error_summary(e)
+      return result
     result["bwd_ms"] = max(total - result["fwd_ms"], 1e-6)
-    result["bwd_tflops"] = 2.5 * config.forward_flops() / result["bwd_ms"] / 1e9
+    result["bwd_tflops"] = config.backward_flops() / result["bwd_ms"] / 1e9
   return result
 
 
@@ -97,7 +211,7 @@ def packed_document_ids(seq: int, num_docs: int, seed: int = 0):
   return jnp.asarray(np.repeat(np.arange(num_docs), lengths)[None], jnp.int32), lengths
 
 
-def measure_packed(config: Config, segment_ids, iters: int = 10) -> dict:
+def measure_packed(config: Config, segment_ids, iters: int | None = 10) -> dict:
   """Like ``measure`` for jax_flash on one packed row: causal within each
   document (``segment_ids``), or over the whole row when it is None."""
   q, k, v, dout = inputs(config)
@@ -113,7 +227,7 @@ def measure_packed(config: Config, segment_ids, iters: int = 10) -> dict:
   return {"fwd_ms": fwd_ms, "bwd_ms": max(total - fwd_ms, 1e-6)}
 
 
-def measure_cudnn_packed(config: Config, lengths, iters: int = 10):
+def measure_cudnn_packed(config: Config, lengths, iters: int | None = 10):
   """cuDNN on the same packed row through JAX's segment offsets (a private
   JAX API: ``jax._src.cudnn``; jax.nn does not expose packing). Returns the
   timings and its output, so that callers can check it."""
@@ -137,11 +251,11 @@ def measure_cudnn_packed(config: Config, lengths, iters: int = 10):
   return {"fwd_ms": fwd_ms, "bwd_ms": max(total - fwd_ms, 1e-6)}, jax.jit(attend)(q, k, v)
 
 
-def matmul_ceiling_tflops(n: int = 8192, iters: int = 20) -> float:
-  """bf16 matrix-product rate measured on random data on this device."""
+def matmul_ceiling_tflops(n: int = 8192, iters: int = 20, dtype: str = "bfloat16") -> float:
+  """Matrix-product rate in ``dtype`` measured on random data on this device."""
   keys = jax.random.split(jax.random.key(1))
-  a = jax.random.normal(keys[0], (n, n), jnp.float32).astype(jnp.bfloat16)
-  b = jax.random.normal(keys[1], (n, n), jnp.float32).astype(jnp.bfloat16)
+  a = jax.random.normal(keys[0], (n, n), jnp.float32).astype(dtype)
+  b = jax.random.normal(keys[1], (n, n), jnp.float32).astype(dtype)
   ms = _time(jax.jit(jnp.matmul), (a, b), iters)
   return 2.0 * n ** 3 / ms / 1e9
 

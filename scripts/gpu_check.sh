@@ -45,9 +45,15 @@ if [[ $STAGE == tests || $STAGE == all ]]; then
 fi
 
 if [[ $STAGE == bench || $STAGE == all ]]; then
-  step "benchmark"
-  "$PYTHON" benchmarks/bench_attention.py --head-dims 64 128 256 --seqs ${BENCH_SEQS:-2048 8192} \
-      --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+  # Sized for under 5 minutes on an H100: about 140 measurements of about a second each.
+  SEQS=${BENCH_SEQS:-1024 2048 4096 8192 16384 32768}
+  step "benchmark: bf16, head dims 64 128 256 x seqs $SEQS x causal and not"
+  "$PYTHON" benchmarks/bench_attention.py --head-dims 64 128 256 --seqs $SEQS \
+      --out "$OUT/bench.json" --plot "$OUT/sweep_bf16.png" 2>&1 | tee "$OUT/bench.log"
+  step "benchmark: fp16, head dim 128, with Pallas Mosaic GPU"
+  "$PYTHON" benchmarks/bench_attention.py --dtype float16 --head-dims 128 --seqs $SEQS \
+      --out "$OUT/bench.json" --plot "$OUT/sweep_fp16_hd128.png" 2>&1 | tee -a "$OUT/bench.log"
+  step "benchmark: packed documents"
   "$PYTHON" benchmarks/bench_attention.py --head-dims 128 --packed-docs 8 \
       --out "$OUT/bench.json" 2>&1 | tail -3 | tee -a "$OUT/bench.log"
 fi

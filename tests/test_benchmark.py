@@ -1,0 +1,179 @@
+"""The benchmark's pure parts: FLOP counts, DESIGN.md §8 rows, the sweep and
+its table, the Pallas tile choices and the plot. Nothing here times anything."""
+
+import json
+import pathlib
+import sys
+
+import jax
+import pytest
+
+from jax_flash import benchmark
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_attention  # noqa: E402
+import plot_results  # noqa: E402
+
+ROW_FIELDS = {"impl", "op", "dtype", "batch", "seq_q", "seq_k", "heads_q", "heads_kv", "head_dim",
+              "head_dim_v", "causal", "window", "variant", "tflops", "ms", "gbps", "gpu", "jax",
+              "date", "matmul_ceiling_tflops"}
+
+
+def fake_result(fwd_ms=2.0, bwd_ms=5.0, config=None):
+  config = config or benchmark.Config(2, 8192, 16, 128, False)
+  result = {"fwd_ms": fwd_ms, "fwd_tflops": config.forward_flops() / fwd_ms / 1e9}
+  if bwd_ms is not None:
+    result |= {"bwd_ms": bwd_ms, "bwd_tflops": config.backward_flops() / bwd_ms / 1e9}
+  return result
+
+
+def test_flop_counts():
+  config = benchmark.Config(batch=2, seq=1024, heads=4, head_dim=64, causal=False)
+  assert config.forward_flops() == 4 * 2 * 4 * 1024 * 1024 * 64
+  causal = benchmark.Config(2, 1024, 4, 64, causal=True)
+  assert causal.forward_flops() == config.forward_flops() / 2
+  assert config.backward_flops() == 2.5 * config.forward_flops()
+
+
+def test_rows_carry_the_design_fields():
+  config = benchmark.Config(2, 8192, 16, 128, True, "float16")
+  rows = benchmark.rows("cudnn", config, fake_result(config=config), 700.04, "deterministic")
+  assert [row["op"] for row in rows] == ["fwd", "bwd"]
+  for row in rows:
+    assert set(row) == ROW_FIELDS
+    assert (row["impl"], row["dtype"], row["variant"]) == ("cudnn", "float16", "deterministic")
+    assert (row["batch"], row["seq_q"], row["seq_k"], row["heads_q"], row["heads_kv"]) == (
+        2, 8192, 8192, 16, 16)
+    assert row["causal"] is True and row["matmul_ceiling_tflops"] == 700.0
+    assert row["jax"] == jax.__version__ and row["gpu"] == jax.devices()[0].device_kind
+  assert rows[0]["ms"] == 2.0 and rows[1]["ms"] == 5.0
+  assert rows[0]["tflops"] == round(config.forward_flops() / 2.0 / 1e9, 1)
+
+
+def test_rows_leave_out_a_failed_backward():
+  result = fake_result(bwd_ms=None) | {"bwd_error": "NotImplementedError: causal"}
+  rows = benchmark.rows("pallas_mgpu", benchmark.Config(1, 1024, 16, 128, True), result, None)
+  assert [row["op"] for row in rows] == ["fwd"]
+  assert rows[0]["matmul_ceiling_tflops"] is None
+
+
+def test_attention_fn_rejects_unknown_names_and_stray_options():
+  config = benchmark.Config(1, 128, 2, 64, False)
+  with pytest.raises(ValueError, match="unknown implementation 'flash3'"):
+    benchmark.attention_fn("flash3", config)
+  with pytest.raises(ValueError, match="apply to jax_flash only"):
+    benchmark.attention_fn("cudnn", config, deterministic=True)
+
+
+def test_error_summary_keeps_the_first_line():
+  error = NotImplementedError("Causal attention not supported\nsecond line")
+  assert benchmark.error_summary(error) == "NotImplementedError: Causal attention not supported"
+  assert len(benchmark.error_summary(ValueError("x" * 500), width=40)) == 40
+
+
+def test_pallas_runs_in_float16_on_hopper_only():
+  assert benchmark.skip_reason("pallas_mgpu", "bfloat16") == "fp16 only"
+  assert benchmark.skip_reason("cudnn", "bfloat16") is None
+  if getattr(jax.devices()[0], "compute_capability", None) != "9.0":
+    assert "Hopper" in benchmark.skip_reason("pallas_mgpu", "float16")
+
+
+def test_pallas_tiles_are_valid_tuning_configs():
+  attention_mgpu = pytest.importorskip("jax.experimental.pallas.ops.gpu.attention_mgpu")
+  for forward in benchmark.PALLAS_MGPU_FORWARD_TILES:
+    for backward in benchmark.PALLAS_MGPU_BACKWARD_TILES:
+      tuning = attention_mgpu.TuningConfig(**forward, **backward)  # validates in __post_init__
+      assert tuning.has_backward_blocks
+  widths = [tiles["block_kv"] for tiles in benchmark.PALLAS_MGPU_FORWARD_TILES]
+  assert widths == sorted(widths, reverse=True), "widest key block first"
+
+
+def test_default_sweep_is_the_issue_grid():
+  args = bench_attention.build_parser().parse_args([])
+  assert args.head_dims == [64, 128, 256]
+  assert args.seqs == [1024, 2048, 4096, 8192, 16384, 32768]
+  assert (args.causal, args.tokens, args.heads, args.dtype) == ("both", 16384, 16, "bfloat16")
+  assert set(args.impls) == {"jax_flash", "cudnn", "pallas_mgpu", "xla"}
+  configs = bench_attention.sweep_configs(args.head_dims, args.seqs, (False, True), args.tokens,
+                                          args.heads, args.dtype)
+  assert len(configs) == 3 * 6 * 2
+  assert all(c.batch * c.seq == 16384 for c in configs if c.seq <= 16384)
+  assert [c.batch for c in configs if c.seq == 32768] == [1] * 6
+
+
+def test_measurements_put_cudnn_first_and_add_the_deterministic_variant():
+  plan = bench_attention.measurements(["jax_flash", "xla", "cudnn"], deterministic=True)
+  assert [(impl, variant) for impl, variant, _ in plan] == [
+      ("cudnn", ""), ("jax_flash", ""), ("xla", ""), ("jax_flash", "deterministic")]
+  assert plan[-1][2] == {"deterministic": True}
+  assert len(bench_attention.measurements(["cudnn"], deterministic=False)) == 1
+
+
+def test_measured_line_prints_ratios_and_dashes():
+  config = benchmark.Config(2, 8192, 16, 128, False)
+  anchor = fake_result(fwd_ms=2.0, bwd_ms=4.0)
+  ours = fake_result(fwd_ms=4.0, bwd_ms=None)
+  ceiling = anchor["fwd_tflops"] * 2
+  line = bench_attention.measured_line(config, "pallas_mgpu", ours, anchor, ceiling, 12.3)
+  fields = line.split()
+  assert fields[:4] == ["128", "8192", "False", "pallas_mgpu"]
+  assert fields[4:] == [f"{ours['fwd_tflops']:.1f}", "-", "0.50", "-", "0.25", "-", "12s"]
+  no_anchor = bench_attention.measured_line(config, "xla", anchor, None, ceiling, 0.0).split()
+  assert no_anchor[6:8] == ["-", "-"]
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU refusal")
+def test_bench_refuses_to_run_without_a_gpu(capsys):
+  assert bench_attention.main([]) == 2
+  assert "needs a GPU" in capsys.readouterr().out
+
+
+def sweep_rows(impl="jax_flash", variant="", dtype="bfloat16", scale=1.0, **extra):
+  rows = []
+  for head_dim in (64, 128):
+    for seq in (1024, 4096, 16384):
+      for causal in (False, True):
+        config = benchmark.Config(16384 // seq, seq, 16, head_dim, causal, dtype)
+        result = fake_result(fwd_ms=scale * seq / 1024, bwd_ms=scale * seq / 400, config=config)
+        rows += [{**row, **extra} for row in benchmark.rows(impl, config, result, 700.0, variant)]
+  return rows
+
+
+def test_collect_points_keeps_the_last_row_of_a_configuration():
+  first, second = sweep_rows(run=1), sweep_rows(scale=2.0, run=2)
+  points = plot_results.collect_points(first + second)
+  curve = points["fwd", 64, "jax_flash", False]
+  assert sorted(curve) == [1024, 4096, 16384]
+  assert curve[1024] == second[0]["tflops"]
+  assert len(points) == 2 * 2 * 2  # op x head dim x causal, one series
+
+
+def test_collect_points_names_variants_and_mixed_dtypes():
+  rows = (sweep_rows() + sweep_rows(variant="deterministic")
+          + [{**row, "tflops": None} for row in sweep_rows(impl="cudnn", variant="packed-8-docs")])
+  names = {key[2] for key in plot_results.collect_points(rows)}
+  assert names == {"jax_flash", "jax_flash [deterministic]"}
+  fp16_rows = sweep_rows(impl="pallas_mgpu", dtype="float16")
+  mixed = plot_results.collect_points(sweep_rows() + fp16_rows)
+  assert {key[2] for key in mixed} == {"jax_flash bfloat16", "pallas_mgpu float16"}
+
+
+def test_plot_writes_a_png(tmp_path):
+  pytest.importorskip("matplotlib")
+  rows = sweep_rows() + sweep_rows(impl="cudnn", scale=0.8)
+  rows = [row for row in rows if not (row["impl"] == "cudnn" and row["op"] == "bwd")]
+  path = tmp_path / "sweep.png"
+  assert plot_results.plot(rows, path) == 2 * 2 * 2 + 2 * 2
+  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  with pytest.raises(ValueError, match="no forward or backward rows with TFLOPS"):
+    plot_results.plot([{**row, "tflops": None} for row in rows], tmp_path / "empty.png")
+
+
+def test_plot_script_selects_a_run(tmp_path, capsys):
+  pytest.importorskip("matplotlib")
+  results = tmp_path / "results.json"
+  results.write_text(json.dumps(sweep_rows(run=1) + sweep_rows(impl="cudnn", run=2)))
+  assert plot_results.main([str(results), "--run", "2"]) == 0
+  assert (tmp_path / "results.png").exists()
+  assert "(8 lines)" in capsys.readouterr().out
+  assert plot_results.main([str(results), "--run", "7"]) == 1
