@@ -37,11 +37,12 @@ def _arch_tag(arch: str) -> str:
     return arch.replace("_", "")  # sm_90a -> sm90a
 
 
-def variant_name(arch: str, dtype_tag: str, head_dim: int) -> str:
-    return f"jf_bwd90_{_arch_tag(arch)}_{dtype_tag}_hd{head_dim}"
+def variant_name(arch: str, dtype_tag: str, head_dim: int, deterministic: bool) -> str:
+    family = "bwd90det" if deterministic else "bwd90"
+    return f"jf_{family}_{_arch_tag(arch)}_{dtype_tag}_hd{head_dim}"
 
 
-def _compile_variant(dtype, head_dim):
+def _compile_variant(dtype, head_dim, deterministic):
     import cutlass
     import cutlass.cute as cute
     from kernel import FlashBwdSm90
@@ -58,7 +59,7 @@ def _compile_variant(dtype, head_dim):
     dk = fake.bthd(dtype, fake.seqlen_k, fake.heads_kv)
     dv = fake.bthd(dtype, fake.seqlen_k, fake.heads_kv)
     stream = cutlass.runtime.make_fake_stream()
-    kernel = FlashBwdSm90(dtype, head_dim)
+    kernel = FlashBwdSm90(dtype, head_dim, deterministic)
     return cute.compile(
         kernel, q, k, v, do, lse, delta, q_lens, kv_lens, dq, dk, dv, fake.dq_semaphore(),
         # scale, softcap, key_lo, key_hi, deterministic
@@ -73,16 +74,19 @@ def main(argv=None):
 
     only = {s for s in args.only.split(",") if s}
     tag = _arch_tag(args.arch)
-    rows = []
+    rows = {False: [], True: []}
     variants = []
-    for dtype_tag, dtype_name, jf_dtype in DTYPES:
-        for head_dim in HEAD_DIMS:
-            if only and f"{dtype_tag}_{head_dim}" not in only:
-                continue
-            name = variant_name(args.arch, dtype_tag, head_dim)
-            dtype = getattr(cutlass, dtype_name)
-            variants.append((name, lambda d=dtype, h=head_dim: _compile_variant(d, h)))
-            rows.append(f"{tag}, {jf_dtype}, {head_dim}, {name}")
+    for deterministic in (False, True):
+        for dtype_tag, dtype_name, jf_dtype in DTYPES:
+            for head_dim in HEAD_DIMS:
+                if only and f"{dtype_tag}_{head_dim}" not in only:
+                    continue
+                name = variant_name(args.arch, dtype_tag, head_dim, deterministic)
+                dtype = getattr(cutlass, dtype_name)
+                variants.append(
+                    (name, lambda d=dtype, h=head_dim, x=deterministic: _compile_variant(d, h, x))
+                )
+                rows[deterministic].append(f"{tag}, {jf_dtype}, {head_dim}, {name}")
 
     names = export_variants(args.out, variants)
     write_variants_header(
@@ -90,7 +94,14 @@ def main(argv=None):
         generator=f"cuda_src/bwd_sm90/export.py --arch {args.arch}",
         guard=f"JAX_FLASH_BWD_SM90_VARIANTS_{tag.upper()}_H_",
         include_names=names,
-        macros=[("X(arch tag, JfDtype, head_dim, prefix)", f"JF_BWD_SM90_VARIANTS_{tag.upper()}", rows)],
+        macros=[
+            ("X(arch tag, JfDtype, head_dim, prefix), plain", f"JF_BWD_SM90_VARIANTS_{tag.upper()}", rows[False]),
+            (
+                "X(arch tag, JfDtype, head_dim, prefix), deterministic",
+                f"JF_BWD_SM90_DET_VARIANTS_{tag.upper()}",
+                rows[True],
+            ),
+        ],
     )
 
 

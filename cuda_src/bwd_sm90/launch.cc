@@ -10,7 +10,8 @@
 //        $DSL/cu13/lib/libcuda_dialect_runtime_static.a
 //        -Xlinker --exclude-libs,ALL -o libjax_flash_bwd_sm90.so
 //
-// The objects' symbols carry their prefix (jf_bwd90_sm90a_<dtype>_hd<d>), so
+// The objects' symbols carry their prefix (jf_bwd90_sm90a_<dtype>_hd<d>, and
+// jf_bwd90det_... for the deterministic variants), so
 // this links next to the sm80 family in one library; the static DSL runtime
 // must then be linked once. The TMA descriptors are encoded on the host by
 // the exported wrapper on every call (cuTensorMapEncodeTiled via that
@@ -33,15 +34,18 @@ using jax_flash_launch::Fail;
 #define JF_BWD_DEFINE_LAUNCH(ARCH, DTYPE, HDIM, PREFIX) \
   JF_BWD_DEFINE_LAUNCH_WITH("jax_flash_bwd_sm90", PREFIX, JF_BWD_NO_SEG_ARGS)
 JF_BWD_SM90_VARIANTS_SM90A(JF_BWD_DEFINE_LAUNCH)
+JF_BWD_SM90_DET_VARIANTS_SM90A(JF_BWD_DEFINE_LAUNCH)
 #undef JF_BWD_DEFINE_LAUNCH
 
 using LaunchFn = int (*)(const BwdLaunchArgs&, cudaStream_t, char*, size_t);
 
-LaunchFn FindVariant(int arch, JfDtype dtype, int head_dim) {
+LaunchFn FindVariant(int arch, JfDtype dtype, int head_dim, bool deterministic) {
 #define JF_BWD_MATCH(ARCH, DTYPE, HDIM, PREFIX) \
   if (dtype == DTYPE && head_dim == HDIM) return &Launch_##PREFIX;
-  if (arch == 90) {
+  if (arch == 90 && !deterministic) {
     JF_BWD_SM90_VARIANTS_SM90A(JF_BWD_MATCH)
+  } else if (arch == 90) {
+    JF_BWD_SM90_DET_VARIANTS_SM90A(JF_BWD_MATCH)
   }
 #undef JF_BWD_MATCH
   return nullptr;
@@ -54,7 +58,11 @@ constexpr const char* kWho = "jax_flash_bwd_sm90";
 extern "C" int jax_flash_bwd_sm90_can_implement(const JfProblem* p) {
   if (p == nullptr) return 0;
   if (p->dtype != JF_FLOAT16 && p->dtype != JF_BFLOAT16) return 0;
-  if (p->head_dim != p->head_dim_v || FindVariant(90, p->dtype, p->head_dim) == nullptr) return 0;
+  // Soft capping is not built into this family (kernel.py says why).
+  if (p->softcap != 0.0f) return 0;
+  if (p->head_dim != p->head_dim_v ||
+      FindVariant(90, p->dtype, p->head_dim, p->deterministic == 1) == nullptr)
+    return 0;
   if (p->batch > 65535 || p->heads_kv > 65535) return 0;
   int arch = 0;
   if (jax_flash_launch::CurrentBwdArch(/*has_sm80=*/false, kWho, nullptr, 0, &arch) != 0) return 0;
@@ -78,7 +86,7 @@ extern "C" int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream_ptr, char*
   if (p.head_dim != p.head_dim_v)
     return Fail(err, err_len, "jax_flash_bwd_sm90: head_dim_v (%d) must equal head_dim (%d)", p.head_dim_v,
                 p.head_dim);
-  if (FindVariant(90, p.dtype, p.head_dim) == nullptr)
+  if (FindVariant(90, p.dtype, p.head_dim, p.deterministic == 1) == nullptr)
     return Fail(err, err_len, "jax_flash_bwd_sm90: no variant for head_dim %d (built: 64, 128)", p.head_dim);
   if (!(p.scale == p.scale) || p.scale == INFINITY || p.scale == -INFINITY)
     return Fail(err, err_len, "jax_flash_bwd_sm90: scale must be finite");
@@ -97,7 +105,9 @@ extern "C" int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream_ptr, char*
 
   int arch = 0;
   if (jax_flash_launch::CurrentBwdArch(/*has_sm80=*/false, kWho, err, err_len, &arch) != 0) return 1;
-  LaunchFn launch = FindVariant(arch, p.dtype, p.head_dim);
+  if (p.softcap != 0.0f)
+    return Fail(err, err_len, "jax_flash_bwd_sm90: softcap is not supported (the sm80 backward serves it)");
+  LaunchFn launch = FindVariant(arch, p.dtype, p.head_dim, p.deterministic == 1);
   if (launch == nullptr)
     return Fail(err, err_len, "jax_flash_bwd_sm90: no kernel for compute capability %d.x (needs 9.x)",
                 arch > 0 ? arch / 10 : -arch);
