@@ -27,14 +27,12 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
 from common.dsl_common import (
-    INT32_MAX,
     cap_scores,
     logit_scales,
     m16n8_acc_as_rows_cols,
     segment_bounds_union,
 )
 
-LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 COPY_BITS = 128  # one cp.async / one vector store moves 16 bytes per thread
 # (tile_m, tile_n, warps) per head dim. All warps split the query rows, so a

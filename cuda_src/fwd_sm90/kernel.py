@@ -41,7 +41,6 @@ from cutlass.tensor_utils import LayoutEnum
 from common.dsl_common import cap_scores, logit_scales
 from segment_ids import load_tile_ids, warp_bounds_union
 
-LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 WG_THREADS = 128  # one warpgroup
 WG_ROWS = 64  # rows of one WGMMA accumulator (m64nNk16)
