@@ -171,7 +171,7 @@ def weak_scaling(args, mesh, ceiling, parts) -> list:
   rows, baseline = [], None
   try:
     arrays = make_inputs(base, SingleDeviceSharding(jax.devices()[0]))
-    baseline = measure(attend, arrays, base, args.iters, args.reps)
+    baseline = measure(attend, arrays, base, args.dense_iters, args.reps)
     del arrays
     report("1 GPU", baseline, {"fwd": 1.0, "bwd": 1.0})
     rows += result_rows(base, baseline, ceiling, "1gpu", ops, 1, {"fwd": 1.0, "bwd": 1.0})
@@ -185,7 +185,7 @@ def weak_scaling(args, mesh, ceiling, parts) -> list:
     config, spec = layouts[part]
     try:
       arrays = make_inputs(config, NamedSharding(mesh, spec))
-      result = measure(attend, arrays, config, args.iters, args.reps)
+      result = measure(attend, arrays, config, args.dense_iters, args.reps)
       del arrays
     except Exception as e:
       failure(f"{part} ({n} GPUs)", e)
@@ -213,7 +213,9 @@ def main(argv=None) -> int:
   parser.add_argument("--dp-seq", type=int, default=8192, help="dp / tp: sequence length")
   parser.add_argument("--heads", type=int, default=16)
   parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
-  parser.add_argument("--iters", type=int, default=5, help="calls per timing loop")
+  parser.add_argument("--iters", type=int, default=5, help="ring: calls per timing loop")
+  parser.add_argument("--dense-iters", type=int, default=30,
+                      help="dp / tp: calls per timing loop (a call takes milliseconds)")
   parser.add_argument("--reps", type=int, default=5, help="timing loops (the median counts)")
   parser.add_argument("--out", type=pathlib.Path, help="JSON file to append rows to")
   args = parser.parse_args(argv)

@@ -31,6 +31,17 @@ on how far apart the two chunks are in the sequence; the device index is only
 known at run time, so each pair picks among the precomputed calls with
 ``lax.switch``: fully masked pairs are skipped, fully visible pairs run
 unmasked, the rest run with the diagonal offset and window of their distance.
+
+The zig-zag causal ring (the load-balanced one, and the one long-context
+training uses) has a fixed shape instead: on its own block a device runs two
+causal calls and one full one; on every other block exactly two chunk pairs
+are visible, both in full: its late queries against the block's early keys,
+and either its early queries against the early keys (the block comes from an
+earlier device) or its late queries against the late keys (a later device).
+So each step runs two unmasked calls, the second on the chunks picked by a
+dynamic slice, with no branch: XLA's GPU conditionals copy the branch index
+to the host and wait for it, which left the GPUs idle at every pair. The
+partial results are merged once, at the end.
 """
 
 import dataclasses
@@ -61,6 +72,18 @@ class _Ring:
   scale: float
   window_left: int  # -1: unbounded
   window_right: int  # -1: unbounded
+  softcap: float = 0.0
+  deterministic: bool = False
+
+  def call(self, diag_offset: int, window_left: int, window_right: int) -> ffi.KernelCall:
+    return ffi.KernelCall(self.backend, self.scale, diag_offset, window_left, window_right,
+                          softcap=self.softcap, deterministic=self.deterministic)
+
+  @property
+  def zigzag_causal(self) -> bool:
+    """Whether the fixed zig-zag causal schedule applies (module docstring)."""
+    return (self.layout == "zigzag" and self.window_left < 0 and self.window_right == 0
+            and self.chunk_q == self.chunk_k)
 
   @property
   def chunks_per_device(self) -> int:
@@ -80,7 +103,7 @@ class _Ring:
     """For each chunk distance ``d = q_chunk - k_chunk`` (offset by
     ``num_chunks - 1``), the index of its call in the returned list; a call is
     a KernelCall or None for a fully masked pair."""
-    unmasked = ffi.KernelCall(self.backend, self.scale, 0, -1, -1)
+    unmasked = self.call(0, -1, -1)
     calls, table = [None], []
     for d in range(1 - self.num_chunks, self.num_chunks):
       call = self._call_at(d, unmasked)
@@ -102,7 +125,7 @@ class _Ring:
       return None
     if u_min >= lo and u_max <= hi:
       return unmasked
-    return ffi.KernelCall(self.backend, self.scale, offset, self.window_left, self.window_right)
+    return self.call(offset, self.window_left, self.window_right)
 
 
 def _split(x, parts: int, axis: int) -> list:
@@ -154,6 +177,8 @@ def _merge(out, lse, block_out, block_lse):
 
 
 def _ring_forward(q, k, v, segment_ids, ring: _Ring):
+  if ring.zigzag_causal:
+    return _zigzag_causal_forward(q, k, v, segment_ids, ring)
   parts = ring.chunks_per_device
   device = jax.lax.axis_index(ring.axis_name)
   q_places, q_chunks = ring.chunk_indices(device), _split(q, parts, 1)
@@ -193,6 +218,8 @@ def _ring_forward(q, k, v, segment_ids, ring: _Ring):
 
 
 def _ring_backward(q, k, v, segment_ids, dout, lse, delta, ring: _Ring):
+  if ring.zigzag_causal:
+    return _zigzag_causal_backward(q, k, v, segment_ids, dout, lse, delta, ring)
   parts = ring.chunks_per_device
   device = jax.lax.axis_index(ring.axis_name)
   q_places = ring.chunk_indices(device)
@@ -240,6 +267,123 @@ def _ring_backward(q, k, v, segment_ids, dout, lse, delta, ring: _Ring):
   return _concat(dqs, 1), dk, dv
 
 
+def _early_late(x, axis: int = 1):
+  """A zig-zag block's (early chunk, late chunk); (None, None) for None."""
+  return (None, None) if x is None else tuple(jnp.split(x, 2, axis=axis))
+
+
+def _chunk_of(x, index, axis: int = 1):
+  """Chunk ``index`` (0 early, 1 late; traced) of a zig-zag block; None for None."""
+  if x is None:
+    return None
+  halves = x.reshape(*x.shape[:axis], 2, x.shape[axis] // 2, *x.shape[axis + 1:])
+  return jax.lax.dynamic_index_in_dim(halves, index, axis=axis, keepdims=False)
+
+
+def _combine(blocks):
+  """Merges partial softmax results [(out, lse), ...] by their log-sum-exps
+  in one pass (each partial output is read once)."""
+  lses = jnp.stack([lse for _, lse in blocks])
+  total = jax.nn.logsumexp(lses, axis=0)
+  safe = jnp.where(jnp.isfinite(total), total, 0.0)
+  out = sum(out.astype(jnp.float32) * jnp.swapaxes(jnp.exp(lse - safe), -1, -2)[..., None]
+            for out, lse in blocks)
+  return out, total
+
+
+def _zigzag_causal_forward(q, k, v, segment_ids, ring: _Ring):
+  device = jax.lax.axis_index(ring.axis_name)
+  q_segments, kv_segments = (None, None) if segment_ids is None else segment_ids
+  q_early, q_late = _early_late(q)
+  qs_early, qs_late = _early_late(q_segments)
+  causal, full = ring.call(0, -1, 0), ring.call(0, -1, -1)
+
+  def attend(call, q, k, v, q_seg, kv_seg):
+    return sharding.forward(q, k, v, _lengths(q, q.shape[1]), _lengths(k, k.shape[1]),
+                            *_segment_operands(q, q_seg, kv_seg), call)
+
+  # Every partial result is kept (in the input dtype) and merged once at the
+  # end: merging after each call cost a read and write of a float32
+  # accumulator per call.
+  early, late = [], []
+  block = (k, v, kv_segments)
+  for s in range(ring.axis_size):
+    next_block = _hop(ring, *block) if s + 1 < ring.axis_size else None
+    k_early, v_early, ks_early = (_early_late(x)[0] for x in block)
+    if s == 0:
+      k_late, v_late, ks_late = (_early_late(x)[1] for x in block)
+      early.append(attend(causal, q_early, k_early, v_early, qs_early, ks_early))
+      late.append(attend(full, q_late, k_early, v_early, qs_late, ks_early))
+      late.append(attend(causal, q_late, k_late, v_late, qs_late, ks_late))
+    else:
+      late.append(attend(full, q_late, k_early, v_early, qs_late, ks_early))
+      earlier = (device - s) % ring.axis_size < device
+      chunk = jnp.where(earlier, 0, 1)
+      out, lse = attend(full, _chunk_of(q, chunk), _chunk_of(block[0], chunk),
+                        _chunk_of(block[1], chunk), _chunk_of(q_segments, chunk),
+                        _chunk_of(block[2], chunk))
+      early.append((out, jnp.where(earlier, lse, -jnp.inf)))
+      late.append((out, jnp.where(earlier, -jnp.inf, lse)))
+    block = next_block
+  (out_early, lse_early), (out_late, lse_late) = _combine(early), _combine(late)
+  out = jnp.concatenate([out_early, out_late], axis=1).astype(q.dtype)
+  return out, jnp.concatenate([lse_early, lse_late], axis=-1)
+
+
+def _add_to_chunk(halves, index, x):
+  """halves [B, 2, chunk, ...] with x added to half ``index`` (traced)."""
+  current = jax.lax.dynamic_index_in_dim(halves, index, axis=1, keepdims=False)
+  return jax.lax.dynamic_update_index_in_dim(halves, current + x, index, axis=1)
+
+
+def _halves(x):
+  return x.reshape(x.shape[0], 2, x.shape[1] // 2, *x.shape[2:])
+
+
+def _zigzag_causal_backward(q, k, v, segment_ids, dout, lse, delta, ring: _Ring):
+  device = jax.lax.axis_index(ring.axis_name)
+  q_segments, kv_segments = (None, None) if segment_ids is None else segment_ids
+  # A query chunk's operands: (q, dout, lse, delta, segment ids), by sequence axis.
+  row_operands = ((q, 1), (dout, 1), (lse, 2), (delta, 2), (q_segments, 1))
+  early_rows, late_rows = (tuple(_early_late(x, axis)[half] for x, axis in row_operands)
+                           for half in (0, 1))
+  causal, full = ring.call(0, -1, 0), ring.call(0, -1, -1)
+
+  def grads(call, rows, k, v, kv_seg):
+    q, dout, lse, delta, q_seg = rows
+    dq, dk, dv = sharding.backward(q, k, v, dout, lse, delta, _lengths(q, q.shape[1]),
+                                   _lengths(k, k.shape[1]),
+                                   *_segment_operands(q, q_seg, kv_seg), call)
+    return dq, dk.astype(jnp.float32), dv.astype(jnp.float32)
+
+  block = (k, v, kv_segments)
+  # dK / dV of the block in hand travel with it and are home after a full turn.
+  dq, dk, dv = sharding.match_varying(
+      (jnp.zeros(_halves(q).shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
+       jnp.zeros(v.shape, jnp.float32)), (q, k, v, dout, segment_ids))
+  for s in range(ring.axis_size):
+    next_block = _hop(ring, *block) if s + 1 < ring.axis_size else None
+    k_early, v_early, ks_early = (_early_late(x)[0] for x in block)
+    if s == 0:
+      k_late, v_late, ks_late = (_early_late(x)[1] for x in block)
+      dq_e, dk_e, dv_e = grads(causal, early_rows, k_early, v_early, ks_early)
+      dq_l, dk_e2, dv_e2 = grads(full, late_rows, k_early, v_early, ks_early)
+      dq_l2, dk_l, dv_l = grads(causal, late_rows, k_late, v_late, ks_late)
+      dq = dq + jnp.stack([dq_e, dq_l + dq_l2], axis=1)
+      dk_block = jnp.stack([dk_e + dk_e2, dk_l], axis=1)
+      dv_block = jnp.stack([dv_e + dv_e2, dv_l], axis=1)
+    else:
+      dq_l, dk_e, dv_e = grads(full, late_rows, k_early, v_early, ks_early)
+      chunk = jnp.where((device - s) % ring.axis_size < device, 0, 1)
+      rows = tuple(_chunk_of(x, chunk, axis) for x, axis in row_operands)
+      dq_x, dk_x, dv_x = grads(full, rows, *(_chunk_of(x, chunk) for x in block))
+      dq = _add_to_chunk(dq.at[:, 1].add(dq_l), chunk, dq_x)
+      dk_block = _add_to_chunk(jnp.stack([dk_e, jnp.zeros_like(dk_e)], axis=1), chunk, dk_x)
+      dv_block = _add_to_chunk(jnp.stack([dv_e, jnp.zeros_like(dv_e)], axis=1), chunk, dv_x)
+    dk, dv = _hop(ring, dk + dk_block.reshape(k.shape), dv + dv_block.reshape(v.shape))
+    block = next_block
+  return dq.reshape(q.shape), dk, dv
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _ring_attention(q, k, v, segment_ids, ring: _Ring):
   """``segment_ids``: None or the (q, kv) pair of this device's blocks."""
@@ -264,7 +408,8 @@ _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
 
 
 def ring_attention(q, k, v, *, axis_name, causal: bool = False, window=None,
-                   scale: float | None = None, segment_ids=None, layout: str = "contiguous",
+                   scale: float | None = None, segment_ids=None, softcap: float | None = None,
+                   deterministic: bool = False, layout: str = "contiguous",
                    return_lse: bool = False, implementation: str | None = None):
   """Attention over a sequence sharded along the mesh axis ``axis_name``.
 
@@ -277,7 +422,9 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, window=None,
   work. GQA / MQA work as in ``attention``. ``segment_ids`` (packed
   documents) follow ``attention`` too, as this device's blocks: one int32
   ``[batch, seq_local]`` array or a ``(q_segment_ids, kv_segment_ids)`` pair,
-  sharded and ordered like q and k. ``implementation``: ``None``,
+  sharded and ordered like q and k. ``softcap`` and ``deterministic`` are
+  those of ``attention`` (the ring adds the blocks' dQ in a fixed order, so
+  with ``deterministic`` the whole backward repeats bitwise). ``implementation``: ``None``,
   ``"flash"``, ``"cpu"`` or ``"gpu"``; the ring always runs the kernels.
 
   Returns this device's block of ``out``, or ``(out, lse)`` (lse ``[batch,
@@ -312,7 +459,9 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, window=None,
                      "shard_map, or use ring_attention_sharded") from None
   ring = _Ring(axis_name=axis_name, axis_size=axis_size, layout=layout,
                chunk_q=shapes.seq_q // parts, chunk_k=shapes.seq_k // parts, backend=backend,
-               scale=scale, window_left=window_left, window_right=window_right)
+               scale=scale, window_left=window_left, window_right=window_right,
+               softcap=validation.check_softcap(softcap),
+               deterministic=validation.check_flag(deterministic, "deterministic"))
   segment_ids = None if q_segments is None else (q_segments, kv_segments)
   out, lse = _ring_attention(q, k, v, segment_ids, ring)
   return (out, lse) if return_lse else out
@@ -320,7 +469,8 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, window=None,
 
 def ring_attention_sharded(q, k, v, *, mesh, seq_axis, batch_axis=None, head_axis=None,
                            causal: bool = False, window=None, scale: float | None = None,
-                           segment_ids=None, layout: str = "contiguous",
+                           segment_ids=None, softcap: float | None = None,
+                           deterministic: bool = False, layout: str = "contiguous",
                            return_lse: bool = False, implementation: str | None = None):
   """``ring_attention`` on global arrays: the ``shard_map`` over ``mesh``
   done for you.
@@ -352,8 +502,9 @@ def ring_attention_sharded(q, k, v, *, mesh, seq_axis, batch_axis=None, head_axi
 
   def kernel(q, k, v, *segment_pair):
     return ring_attention(q, k, v, axis_name=seq_axis, causal=causal, window=window,
-                          scale=scale, segment_ids=segment_pair or None, layout=layout,
-                          return_lse=return_lse, implementation=implementation)
+                          scale=scale, segment_ids=segment_pair or None, softcap=softcap,
+                          deterministic=deterministic, layout=layout, return_lse=return_lse,
+                          implementation=implementation)
 
   out_specs = (spec, P(batch_axis, head_axis, seq_axis)) if return_lse else spec
   if AxisType.Explicit in mesh.axis_types:

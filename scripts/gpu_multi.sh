@@ -37,7 +37,7 @@ tests_status=${PIPESTATUS[0]}
 echo "tests: exit $tests_status"
 
 step "benchmark"
-timeout 180 "$PYTHON" benchmarks/bench_sharded.py --iters 2 --reps 3 \
+timeout 180 "$PYTHON" benchmarks/bench_sharded.py --iters 3 --reps 5 --dense-iters 30 \
     --out "$OUT/bench_multi.json" 2>&1 | tee "$OUT/bench_multi.log"
 bench_status=${PIPESTATUS[0]}
 echo "benchmark: exit $bench_status"

@@ -8,6 +8,7 @@ and give the single-GPU numbers; ring attention over all GPUs matches the
 float64 reference. Run by scripts/gpu_multi.sh; skipped without two GPUs.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,3 +94,19 @@ def test_ring_attention(case):
   got = (unorder(out), unorder(lse, axis=2), *map(unorder, (dq, dk, dv)))
   assert_matches_reference(got, q, k, v, dout,
                            **mask_kwargs(seq, seq, causal=True, segment_ids=ids))
+
+
+def test_deterministic_ring_repeats_bitwise():
+  """With deterministic=True every kernel call adds dQ in a fixed order and
+  the ring sums blocks in a fixed order: ten runs, one result."""
+  mesh = gpu_mesh("sp")
+  n = mesh.shape["sp"]
+  seq = 512 * n
+  q, k, v, dout = (jax_flash.to_zigzag(x, n) for x in
+                   numerics.random_qkv(3, 2, seq, seq, 8, 2, 128, DTYPE))
+  run = forward_backward(lambda q, k, v: jax_flash.ring_attention_sharded(
+      q, k, v, mesh=mesh, seq_axis="sp", causal=True, layout="zigzag", deterministic=True,
+      return_lse=True, implementation="gpu"))
+  first = run(q, k, v, dout)
+  for _ in range(9):
+    chex.assert_trees_all_equal(first, run(q, k, v, dout))

@@ -3,6 +3,7 @@ batch / heads sharding through jit and shard_map, ring attention over a
 sharded sequence (with packed documents too), and the errors for shardings
 the kernels cannot serve."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -161,7 +162,7 @@ def ring_sharded(mesh, layout, segment_ids=None, **kwargs):
       layout=layout, return_lse=True, implementation="cpu", **kwargs)
 
 
-def check_ring(layout, q, k, v, dout, causal=False, window=None, segment_ids=None):
+def check_ring(layout, q, k, v, dout, causal=False, window=None, segment_ids=None, **options):
   """Ring attention over sp=4 (dp=2) against the unsharded float64 reference,
   outputs and gradients; inputs in sequence order."""
   mesh, sp = auto_mesh(names=("dp", "sp")), 4
@@ -170,13 +171,13 @@ def check_ring(layout, q, k, v, dout, causal=False, window=None, segment_ids=Non
   unorder = (lambda x, axis=1: jax_flash.from_zigzag(x, sp, axis)) if zigzag else (
       lambda x, axis=1: x)
   run = forward_backward(ring_sharded(mesh, layout, jax.tree.map(order, segment_ids),
-                                      causal=causal, window=window))
+                                      causal=causal, window=window, **options))
   out, lse, dq, dk, dv = run(*map(order, (q, k, v, dout)))
   assert_sharded(out, mesh, P("dp", "sp"))
   assert_sharded(lse, mesh, P("dp", None, "sp"))
   got = (unorder(out), unorder(lse, axis=2), *map(unorder, (dq, dk, dv)))
   mask = mask_kwargs(q.shape[1], k.shape[1], causal, window, segment_ids=segment_ids)
-  assert_matches_reference(got, q, k, v, dout, **mask)
+  assert_matches_reference(got, q, k, v, dout, softcap=options.get("softcap") or 0.0, **mask)
   return got
 
 
@@ -187,6 +188,14 @@ def test_ring_attention(case):
   seq = 96  # 12 positions per zigzag chunk
   q, k, v, dout = numerics.random_qkv(5, 2, seq, seq, 4, heads_kv, 32, DTYPE)
   check_ring(layout, q, k, v, dout, causal, window)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ring_softcap_and_deterministic(layout):
+  q, k, v, dout = numerics.random_qkv(6, 2, 96, 96, 4, 2, 32, DTYPE)
+  first = check_ring(layout, q, k, v, dout, causal=True, softcap=1.5, deterministic=True)
+  again = check_ring(layout, q, k, v, dout, causal=True, softcap=1.5, deterministic=True)
+  chex.assert_trees_all_equal(first, again)
 
 
 def interleaved_segment_ids(seed, batch, seq, num_docs):
