@@ -27,6 +27,7 @@ have ``op`` "fwd" / "bwd" and ``variant`` "dp-{N}gpu" / "tp-{N}gpu".
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -100,7 +101,8 @@ def result_rows(config, result, ceiling, variant: str, ops: dict, num_gpus: int,
     direction = row["op"]
     ratio = scaling.get(direction)
     rows.append({**row, "op": ops[direction], "num_gpus": num_gpus,
-                 "scaling_vs_1gpu": None if ratio is None else round(ratio, 3), **(extra or {})})
+                 "scaling_vs_1gpu": None if ratio is None else round(ratio, 3),
+                 "xla_flags": os.environ.get("XLA_FLAGS", ""), **(extra or {})})
   return rows
 
 
@@ -218,7 +220,15 @@ def main(argv=None) -> int:
                       help="dp / tp: calls per timing loop (a call takes milliseconds)")
   parser.add_argument("--reps", type=int, default=5, help="timing loops (the median counts)")
   parser.add_argument("--out", type=pathlib.Path, help="JSON file to append rows to")
+  parser.add_argument("--overlap", action="store_true",
+                      help="add --xla_gpu_enable_latency_hiding_scheduler=true to XLA_FLAGS, "
+                           "which lets XLA run the ring's transfers beside the kernels "
+                           "(rows record XLA_FLAGS in 'xla_flags')")
   args = parser.parse_args(argv)
+  if args.overlap:
+    # Read when the GPU client starts, which is after this point.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_gpu_enable_latency_hiding_scheduler=true").strip()
 
   if jax.default_backend() != "gpu" or jax.device_count() < 2:
     print(f"bench_sharded: needs at least 2 GPUs, found {jax.device_count()} "

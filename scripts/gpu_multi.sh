@@ -41,5 +41,8 @@ timeout 180 "$PYTHON" benchmarks/bench_sharded.py --iters 3 --reps 5 --dense-ite
     --out "$OUT/bench_multi.json" 2>&1 | tee "$OUT/bench_multi.log"
 bench_status=${PIPESTATUS[0]}
 echo "benchmark: exit $bench_status"
+step "ring benchmark with XLA's latency-hiding scheduler"
+timeout 120 "$PYTHON" benchmarks/bench_sharded.py --overlap --parts ring --iters 3 --reps 5 \
+    --out "$OUT/bench_multi.json" 2>&1 | tee -a "$OUT/bench_multi.log"
 step done
 exit $(( tests_status != 0 ? tests_status : bench_status ))
