@@ -10,8 +10,8 @@ bwd_sm80_variants_<arch>.h with one X-macro per kind for launch.cc.
 Runtime scalars are plain kernel parameters: export_to_c supports Float32 and
 Int32 arguments and maps them to `float` / `int32_t` parameters of the C
 wrapper (verified on 4.8.1), so nothing has to travel through device memory.
-The wrapper takes (scale, softcap, key_lo, key_hi, deterministic); launch.cc derives the key bounds
-from diag_offset and the window.
+The wrapper takes (scale, softcap, key_lo, key_hi, deterministic); launch.cc
+derives the key bounds from diag_offset and the window.
 """
 
 import os

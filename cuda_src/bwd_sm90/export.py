@@ -2,15 +2,17 @@
 
     python cuda_src/bwd_sm90/export.py --arch sm_90a --out build/bwd_sm90/sm_90a
 
-writes, per (dtype, head_dim), NAME.o and NAME.h (export_to_c), and
-bwd_sm90_variants_<arch>.h with an X-macro over all of them for launch.cc.
+writes, per kind (KINDS: plain, deterministic, packed-document) and (dtype,
+head_dim), NAME.o and NAME.h (export_to_c), and bwd_sm90_variants_<arch>.h
+with one X-macro per kind for launch.cc.
 
 Runtime scalars are plain kernel parameters: export_to_c supports Float32 and
 Int32 arguments and maps them to `float` / `int32_t` parameters of the C
 wrapper (verified on 4.8.1), so nothing has to travel through device memory.
-The wrapper takes (scale, softcap, key_lo, key_hi, deterministic); launch.cc derives the key bounds
-from diag_offset and the window. Symbols are prefixed jf_bwd90_ so they never
-clash with the sm80 family's own sm_90a objects (jf_bwd_sm90a_*).
+The wrapper takes (scale, softcap, key_lo, key_hi, deterministic); launch.cc
+derives the key bounds from diag_offset and the window. Symbols are prefixed
+jf_bwd90_ / jf_bwd90det_ / jf_bwdseg90_ so they never clash with the sm80
+family's own sm_90a objects (jf_bwd_sm90a_*).
 """
 
 import os
@@ -37,12 +39,15 @@ def _arch_tag(arch: str) -> str:
     return arch.replace("_", "")  # sm_90a -> sm90a
 
 
-def variant_name(arch: str, dtype_tag: str, head_dim: int, deterministic: bool) -> str:
-    family = "bwd90det" if deterministic else "bwd90"
-    return f"jf_{family}_{_arch_tag(arch)}_{dtype_tag}_hd{head_dim}"
+# The kinds of variant: (name infix, deterministic, has_segments).
+KINDS = (("bwd90", False, False), ("bwd90det", True, False), ("bwdseg90", False, True))
 
 
-def _compile_variant(dtype, head_dim, deterministic):
+def variant_name(arch: str, dtype_tag: str, head_dim: int, infix: str) -> str:
+    return f"jf_{infix}_{_arch_tag(arch)}_{dtype_tag}_hd{head_dim}"
+
+
+def _compile_variant(dtype, head_dim, deterministic, has_segments):
     import cutlass
     import cutlass.cute as cute
     from kernel import FlashBwdSm90
@@ -59,12 +64,16 @@ def _compile_variant(dtype, head_dim, deterministic):
     dk = fake.bthd(dtype, fake.seqlen_k, fake.heads_kv)
     dv = fake.bthd(dtype, fake.seqlen_k, fake.heads_kv)
     stream = cutlass.runtime.make_fake_stream()
-    kernel = FlashBwdSm90(dtype, head_dim, deterministic)
+    segments = ()
+    if has_segments:
+        segments = (fake.segment_ids(fake.seqlen_q), fake.segment_ids(fake.seqlen_k),
+                    fake.segment_bounds(fake.seqlen_k))
+    kernel = FlashBwdSm90(dtype, head_dim, deterministic, has_segments)
     return cute.compile(
         kernel, q, k, v, do, lse, delta, q_lens, kv_lens, dq, dk, dv, fake.dq_semaphore(),
         # scale, softcap, key_lo, key_hi, deterministic
         cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0),
-        stream,
+        stream, *segments,
     )
 
 
@@ -74,19 +83,18 @@ def main(argv=None):
 
     only = {s for s in args.only.split(",") if s}
     tag = _arch_tag(args.arch)
-    rows = {False: [], True: []}
+    rows = {infix: [] for infix, _, _ in KINDS}
     variants = []
-    for deterministic in (False, True):
+    for infix, deterministic, has_segments in KINDS:
         for dtype_tag, dtype_name, jf_dtype in DTYPES:
             for head_dim in HEAD_DIMS:
                 if only and f"{dtype_tag}_{head_dim}" not in only:
                     continue
-                name = variant_name(args.arch, dtype_tag, head_dim, deterministic)
+                name = variant_name(args.arch, dtype_tag, head_dim, infix)
                 dtype = getattr(cutlass, dtype_name)
-                variants.append(
-                    (name, lambda d=dtype, h=head_dim, x=deterministic: _compile_variant(d, h, x))
-                )
-                rows[deterministic].append(f"{tag}, {jf_dtype}, {head_dim}, {name}")
+                variants.append((name, lambda d=dtype, h=head_dim, x=deterministic, g=has_segments:
+                                 _compile_variant(d, h, x, g)))
+                rows[infix].append(f"{tag}, {jf_dtype}, {head_dim}, {name}")
 
     names = export_variants(args.out, variants)
     write_variants_header(
@@ -95,11 +103,16 @@ def main(argv=None):
         guard=f"JAX_FLASH_BWD_SM90_VARIANTS_{tag.upper()}_H_",
         include_names=names,
         macros=[
-            ("X(arch tag, JfDtype, head_dim, prefix), plain", f"JF_BWD_SM90_VARIANTS_{tag.upper()}", rows[False]),
+            ("X(arch tag, JfDtype, head_dim, prefix), plain", f"JF_BWD_SM90_VARIANTS_{tag.upper()}", rows["bwd90"]),
             (
                 "X(arch tag, JfDtype, head_dim, prefix), deterministic",
                 f"JF_BWD_SM90_DET_VARIANTS_{tag.upper()}",
-                rows[True],
+                rows["bwd90det"],
+            ),
+            (
+                "X(arch tag, JfDtype, head_dim, prefix), packed-document (has_segments)",
+                f"JF_BWD_SM90_SEG_VARIANTS_{tag.upper()}",
+                rows["bwdseg90"],
             ),
         ],
     )

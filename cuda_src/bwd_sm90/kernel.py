@@ -18,11 +18,15 @@ registers away; warpgroups 1 and 2 compute with WGMMA:
 P and dS go through shared memory (double buffered, so one named barrier per
 query tile is enough). lse and delta are read from global memory by the
 threads that own the rows; their latency hides behind the first two GEMMs.
+
+The packed-document variant (has_segments) narrows the query tiles to the
+union of the KV tile's keys' q_bounds and compares segment ids on every
+visited tile, as the sm80 family does.
 """
 
 import math
 from dataclasses import dataclass
-from typing import Type
+from typing import Optional, Type
 
 import cuda.bindings.driver as cuda
 
@@ -39,6 +43,7 @@ from common.dsl_common import (
     query_tile_of,
     red_add_v2_f32,
     release_add_s32,
+    segment_bounds_union,
     store_existing_rows,
     wait_at_least,
     zero_outside_key_window,
@@ -49,6 +54,7 @@ WG_THREADS = 128
 NUM_MMA_WG = 2
 NUM_MMA_THREADS = NUM_MMA_WG * WG_THREADS
 NUM_THREADS = WG_THREADS + NUM_MMA_THREADS  # producer WG + 2 consumer WGs
+NUM_WARPS = NUM_THREADS // 32
 # setmaxnreg budgets: 24 + 2 * 240 <= 504 (64K registers / 128 threads of
 # each WG, rounded to the granularity of 8). The consumers hold dK and dV
 # (2 * n_block * head_dim / 256 floats) plus S, dP and dQ fragments.
@@ -93,12 +99,20 @@ class FlashBwdSm90:
     capping is not built (its 1 - tanh^2 fragment does not fit the 240
     registers); capped problems run on the sm80 backward."""
 
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, deterministic: bool = False):
+    def __init__(
+        self, dtype: Type[cutlass.Numeric], head_dim: int, deterministic: bool = False,
+        has_segments: bool = False,
+    ):
         if not self.can_implement(dtype, head_dim):
             raise NotImplementedError(f"no sm90 backward for dtype={dtype}, head_dim={head_dim}")
+        if deterministic and has_segments:
+            # The deterministic order needs the geometric query-tile ranges
+            # (see the sm80 family); packed documents narrow them.
+            raise NotImplementedError("no deterministic packed-document sm90 backward")
         self.dtype = dtype
         self.head_dim = head_dim
         self.deterministic = deterministic
+        self.has_segments = has_segments
         cfg = TILE_CONFIGS[head_dim]
         self.m_block = cfg.m_block
         self.n_block = cfg.n_block
@@ -156,6 +170,9 @@ class FlashBwdSm90:
         key_hi: Int32,
         deterministic: Int32,
         stream: cuda.CUstream,
+        mQSeg: Optional[cute.Tensor] = None,  # [B, T] i32, segment variant only
+        mKVSeg: Optional[cute.Tensor] = None,  # [B, S] i32
+        mQBounds: Optional[cute.Tensor] = None,  # [B, S, 2] i32
     ):
         """key_lo <= j - i <= key_hi for a visible (query i, key j) pair; the
         launcher clamps both to +-(seqlen_q + seqlen_k + 1). softcap and
@@ -164,6 +181,8 @@ class FlashBwdSm90:
         the flag, so the kernel reads neither."""
         if cutlass.const_expr(mQ.element_type != self.dtype):
             raise TypeError("q dtype does not match the compiled variant")
+        if cutlass.const_expr(self.has_segments != (mQSeg is not None)):
+            raise TypeError("segment tensors must be given exactly for the has_segments variant")
         D, M, N, st = self.head_dim, self.m_block, self.n_block, self.stages
         K_MAJOR, MN_MAJOR = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         # dQ splits the head dim over the two WGs, dK/dV split the keys and
@@ -198,6 +217,8 @@ class FlashBwdSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+            # Per-warp partial (min first, max last) of the keys' q_bounds.
+            sSegRange: cute.struct.MemRange[Int32, 2 * NUM_WARPS]
 
         # 16-byte row stores of dK/dV from the staged shared tile.
         vec = 128 // self.dtype.width
@@ -213,7 +234,7 @@ class FlashBwdSm90:
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
             mLSE, mDelta, mQLens, mKVLens, mdQ, mdK, mdV, mDqSem,
-            scale, scale * LOG2E, key_lo, key_hi,
+            scale, scale * LOG2E, key_lo, key_hi, mQSeg, mKVSeg, mQBounds,
             sQ_layout, sK_layout, sV_layout, sPdS_layout,
             mma_sdp, mma_dkv, mma_dq, gmem_store_tile, SharedStorage,
         ).launch(grid=grid, block=[NUM_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
@@ -227,6 +248,7 @@ class FlashBwdSm90:
         mLSE: cute.Tensor, mDelta: cute.Tensor, mQLens: cute.Tensor, mKVLens: cute.Tensor,
         mdQ: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mDqSem: cute.Tensor,
         scale: Float32, scale_log2: Float32, lo: Int32, hi: Int32,
+        mQSeg: Optional[cute.Tensor], mKVSeg: Optional[cute.Tensor], mQBounds: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sPdS_layout: cute.ComposedLayout,
         mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
@@ -249,6 +271,17 @@ class FlashBwdSm90:
         n_last = cutlass.min(n0 + N, kv_len) - 1
         row_begin = cutlass.max(n0 - hi, 0)
         row_end = cutlass.min(q_len, n_last - lo + 1)
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        if cutlass.const_expr(self.has_segments):
+            # Every warp takes part (before the roles split): the union of the
+            # keys' document ranges bounds the query tiles worth visiting.
+            seg_begin, seg_end = segment_bounds_union(
+                mQBounds, storage.sSegRange.get_tensor(cute.make_layout(2 * NUM_WARPS)),
+                batch, n0, n_last, tidx, N, NUM_WARPS,
+            )
+            row_begin = cutlass.max(row_begin, seg_begin)
+            row_end = cutlass.min(row_end, seg_end)
         m_block_min = row_begin // M
         m_blocks = Int32(0)
         if n_last >= n0 and row_end > row_begin:
@@ -259,8 +292,6 @@ class FlashBwdSm90:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO):
                 cpasync.prefetch_descriptor(atom)
 
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
         kv_bar = storage.kv_bar.data_ptr()
         if tidx == 0:
             cute.arch.mbarrier_init(kv_bar, 1)
@@ -300,7 +331,7 @@ class FlashBwdSm90:
                 mLSE, mDelta, mdQ, mdK, mdV, mDqSem, sQ, sK, sV, sdO, sP, sdS, pipe, kv_bar,
                 mma_sdp, mma_dkv, mma_dq, gmem_store_tile,
                 scale, scale_log2, lo, hi, n_block, kv_head, batch, group,
-                m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k,
+                m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k, mQSeg, mKVSeg,
             )
 
     @cute.jit
@@ -346,7 +377,7 @@ class FlashBwdSm90:
         self, mLSE, mDelta, mdQ, mdK, mdV, mDqSem, sQ, sK, sV, sdO, sP, sdS, pipe, kv_bar,
         mma_sdp, mma_dkv, mma_dq, gmem_store_tile,
         scale, scale_log2, lo, hi, n_block, kv_head, batch, group,
-        m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k,
+        m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k, mQSeg, mKVSeg,
     ):
         D, M, N = self.head_dim, self.m_block, self.n_block
         tidx, _, _ = cute.arch.thread_idx()
@@ -395,6 +426,14 @@ class FlashBwdSm90:
         tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((M, D)))
         n_rows = cute.size(tScS, mode=[0])
         n0 = n_block * N
+        # Segment ids of this thread's S columns (fixed for the CTA) and rows;
+        # positions past the sequence read a clamped id and are masked anyway.
+        n_cols = cute.size(tScS, mode=[1])
+        row_seg = cute.make_rmem_tensor(n_rows, Int32)
+        col_seg = cute.make_rmem_tensor(n_cols, Int32)
+        if cutlass.const_expr(self.has_segments):
+            for c in cutlass.range_constexpr(n_cols):
+                col_seg[c] = mKVSeg[batch, cutlass.min(n0 + tScS[0, c][1], seqlen_k - 1)]
 
         if n_iters > 0:
             cute.arch.mbarrier_wait(kv_bar, 0)
@@ -410,6 +449,8 @@ class FlashBwdSm90:
             delta = cute.make_rmem_tensor(n_rows, Float32)
             for r in cutlass.range_constexpr(n_rows):
                 row = m0 + tScS[r, 0][0]
+                if cutlass.const_expr(self.has_segments):
+                    row_seg[r] = mQSeg[batch, cutlass.min(row, seqlen_q - 1)]
                 lse_log2[r] = Float32.inf
                 delta[r] = Float32(0.0)
                 if row < seqlen_q:
@@ -436,7 +477,9 @@ class FlashBwdSm90:
                 and n0 - (m0 + M - 1) >= lo
                 and (n0 + N - 1) - m0 <= hi
             )
-            if not full_tile:
+            if cutlass.const_expr(self.has_segments):
+                zero_outside_key_window(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi, row_seg, col_seg)
+            elif not full_tile:
                 zero_outside_key_window(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi)
             rP = cute.make_fragment_like(acc_S, self.dtype)
             rP.store(acc_S.load().to(self.dtype))

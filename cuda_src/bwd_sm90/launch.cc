@@ -31,21 +31,35 @@ namespace {
 using jax_flash_launch::BwdLaunchArgs;
 using jax_flash_launch::Fail;
 
+#define JF_BWD_SM90_SEG_ARGS(PREFIX)                                                \
+  , reinterpret_cast<PREFIX##_Tensor_mQSeg_t*>(const_cast<SegIds*>(&a.q_seg)),      \
+      reinterpret_cast<PREFIX##_Tensor_mKVSeg_t*>(const_cast<SegIds*>(&a.kv_seg)),  \
+      reinterpret_cast<PREFIX##_Tensor_mQBounds_t*>(const_cast<Bounds*>(&a.q_bounds))
 #define JF_BWD_DEFINE_LAUNCH(ARCH, DTYPE, HDIM, PREFIX) \
   JF_BWD_DEFINE_LAUNCH_WITH("jax_flash_bwd_sm90", PREFIX, JF_BWD_NO_SEG_ARGS)
+#define JF_BWD_DEFINE_SEG_LAUNCH(ARCH, DTYPE, HDIM, PREFIX) \
+  JF_BWD_DEFINE_LAUNCH_WITH("jax_flash_bwd_sm90", PREFIX, JF_BWD_SM90_SEG_ARGS)
 JF_BWD_SM90_VARIANTS_SM90A(JF_BWD_DEFINE_LAUNCH)
 JF_BWD_SM90_DET_VARIANTS_SM90A(JF_BWD_DEFINE_LAUNCH)
+JF_BWD_SM90_SEG_VARIANTS_SM90A(JF_BWD_DEFINE_SEG_LAUNCH)
+#undef JF_BWD_DEFINE_SEG_LAUNCH
 #undef JF_BWD_DEFINE_LAUNCH
+#undef JF_BWD_SM90_SEG_ARGS
 
 using LaunchFn = int (*)(const BwdLaunchArgs&, cudaStream_t, char*, size_t);
 
-LaunchFn FindVariant(int arch, JfDtype dtype, int head_dim, bool deterministic) {
+// No variant is both deterministic and packed-document (kernel.py says why):
+// those problems run on the sm80 backward.
+LaunchFn FindVariant(int arch, JfDtype dtype, int head_dim, bool deterministic, bool segments) {
 #define JF_BWD_MATCH(ARCH, DTYPE, HDIM, PREFIX) \
   if (dtype == DTYPE && head_dim == HDIM) return &Launch_##PREFIX;
-  if (arch == 90 && !deterministic) {
-    JF_BWD_SM90_VARIANTS_SM90A(JF_BWD_MATCH)
-  } else if (arch == 90) {
+  if (arch != 90 || (deterministic && segments)) return nullptr;
+  if (segments) {
+    JF_BWD_SM90_SEG_VARIANTS_SM90A(JF_BWD_MATCH)
+  } else if (deterministic) {
     JF_BWD_SM90_DET_VARIANTS_SM90A(JF_BWD_MATCH)
+  } else {
+    JF_BWD_SM90_VARIANTS_SM90A(JF_BWD_MATCH)
   }
 #undef JF_BWD_MATCH
   return nullptr;
@@ -61,7 +75,7 @@ extern "C" int jax_flash_bwd_sm90_can_implement(const JfProblem* p) {
   // Soft capping is not built into this family (kernel.py says why).
   if (p->softcap != 0.0f) return 0;
   if (p->head_dim != p->head_dim_v ||
-      FindVariant(90, p->dtype, p->head_dim, p->deterministic == 1) == nullptr)
+      FindVariant(90, p->dtype, p->head_dim, p->deterministic == 1, p->has_segments == 1) == nullptr)
     return 0;
   if (p->batch > 65535 || p->heads_kv > 65535) return 0;
   int arch = 0;
@@ -86,8 +100,11 @@ extern "C" int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream_ptr, char*
   if (p.head_dim != p.head_dim_v)
     return Fail(err, err_len, "jax_flash_bwd_sm90: head_dim_v (%d) must equal head_dim (%d)", p.head_dim_v,
                 p.head_dim);
-  if (FindVariant(90, p.dtype, p.head_dim, p.deterministic == 1) == nullptr)
-    return Fail(err, err_len, "jax_flash_bwd_sm90: no variant for head_dim %d (built: 64, 128)", p.head_dim);
+  if (FindVariant(90, p.dtype, p.head_dim, p.deterministic == 1, p.has_segments == 1) == nullptr)
+    return Fail(err, err_len,
+                "jax_flash_bwd_sm90: no variant for head_dim %d, deterministic %d, has_segments %d "
+                "(built: head dims 64, 128; not both deterministic and segments)",
+                p.head_dim, p.deterministic, p.has_segments);
   if (!(p.scale == p.scale) || p.scale == INFINITY || p.scale == -INFINITY)
     return Fail(err, err_len, "jax_flash_bwd_sm90: scale must be finite");
   if (jax_flash_launch::CheckOptions(p, "jax_flash_bwd_sm90", err, err_len) != 0) return 1;
@@ -97,8 +114,8 @@ extern "C" int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream_ptr, char*
 
   const jax_flash_launch::BwdSizes sizes = jax_flash_launch::SizesOf(p);
   if (sizes.q_elems == 0 && sizes.kv_elems == 0) return 0;
-  // This family has no packed-document variant: it never reads the segment tensors.
-  if (jax_flash_launch::CheckBwdOperands(args, sizes, /*seg=*/false, kWho, err, err_len) != 0) return 1;
+  const bool seg = p.has_segments == 1;
+  if (jax_flash_launch::CheckBwdOperands(args, sizes, seg, kWho, err, err_len) != 0) return 1;
   bool done = false;
   if (jax_flash_launch::ZeroBwdOutputs(args, sizes, stream, kWho, err, err_len, &done) != 0) return 1;
   if (done) return 0;
@@ -107,7 +124,7 @@ extern "C" int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream_ptr, char*
   if (jax_flash_launch::CurrentBwdArch(/*has_sm80=*/false, kWho, err, err_len, &arch) != 0) return 1;
   if (p.softcap != 0.0f)
     return Fail(err, err_len, "jax_flash_bwd_sm90: softcap is not supported (the sm80 backward serves it)");
-  LaunchFn launch = FindVariant(arch, p.dtype, p.head_dim, p.deterministic == 1);
+  LaunchFn launch = FindVariant(arch, p.dtype, p.head_dim, p.deterministic == 1, p.has_segments == 1);
   if (launch == nullptr)
     return Fail(err, err_len, "jax_flash_bwd_sm90: no kernel for compute capability %d.x (needs 9.x)",
                 arch > 0 ? arch / 10 : -arch);

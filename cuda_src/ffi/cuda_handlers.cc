@@ -28,7 +28,7 @@ int LaunchForward(const JfFwdArgs& args, cudaStream_t stream, char* err, size_t 
 
 int LaunchBackward(const JfBwdArgs& args, cudaStream_t stream, char* err, size_t n) {
 #ifdef JF_HAVE_BWD_SM90
-  if (!args.problem.has_segments && jax_flash_bwd_sm90_can_implement(&args.problem)) {
+  if (jax_flash_bwd_sm90_can_implement(&args.problem)) {
     return jax_flash_bwd_sm90(&args, stream, err, n);
   }
 #endif

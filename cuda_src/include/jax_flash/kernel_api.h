@@ -127,8 +127,7 @@ int jax_flash_bwd_sm80(const JfBwdArgs* args, void* stream, char* err,
                        size_t err_len);
 
 // Hopper (sm_90a) kernels. can_implement returns 1 when they serve the
-// problem on the current device; otherwise the sm80 kernels run (the sm90
-// backward does not take segments yet, so those problems always do).
+// problem on the current device; otherwise the sm80 kernels run.
 int jax_flash_fwd_sm90_can_implement(const JfProblem* problem);
 int jax_flash_fwd_sm90(const JfFwdArgs* args, void* stream, char* err,
                        size_t err_len);
