@@ -34,7 +34,8 @@ unmasked, the rest run with the diagonal offset and window of their distance.
 
 The zig-zag causal ring (the load-balanced one, and the one long-context
 training uses) has a fixed shape instead: on its own block a device runs two
-causal calls and one full one; on every other block exactly two chunk pairs
+causal calls (its late chunk sees the whole block through one bottom-right
+causal mask); on every other block exactly two chunk pairs
 are visible, both in full: its late queries against the block's early keys,
 and either its early queries against the early keys (the block comes from an
 earlier device) or its late queries against the late keys (a later device).
@@ -297,6 +298,10 @@ def _zigzag_causal_forward(q, k, v, segment_ids, ring: _Ring):
   q_early, q_late = _early_late(q)
   qs_early, qs_late = _early_late(q_segments)
   causal, full = ring.call(0, -1, 0), ring.call(0, -1, -1)
+  # The late chunk against its own whole block (early keys, then its own
+  # chunk) is one bottom-right causal call: key j' of the block is visible
+  # from row r iff j' <= r + chunk.
+  late_on_own = ring.call(ring.chunk_k, -1, 0)
 
   def attend(call, q, k, v, q_seg, kv_seg):
     return sharding.forward(q, k, v, _lengths(q, q.shape[1]), _lengths(k, k.shape[1]),
@@ -311,10 +316,8 @@ def _zigzag_causal_forward(q, k, v, segment_ids, ring: _Ring):
     next_block = _hop(ring, *block) if s + 1 < ring.axis_size else None
     k_early, v_early, ks_early = (_early_late(x)[0] for x in block)
     if s == 0:
-      k_late, v_late, ks_late = (_early_late(x)[1] for x in block)
       early.append(attend(causal, q_early, k_early, v_early, qs_early, ks_early))
-      late.append(attend(full, q_late, k_early, v_early, qs_late, ks_early))
-      late.append(attend(causal, q_late, k_late, v_late, qs_late, ks_late))
+      late.append(attend(late_on_own, q_late, *block[:2], qs_late, block[2]))
     else:
       late.append(attend(full, q_late, k_early, v_early, qs_late, ks_early))
       earlier = (device - s) % ring.axis_size < device
@@ -348,6 +351,7 @@ def _zigzag_causal_backward(q, k, v, segment_ids, dout, lse, delta, ring: _Ring)
   early_rows, late_rows = (tuple(_early_late(x, axis)[half] for x, axis in row_operands)
                            for half in (0, 1))
   causal, full = ring.call(0, -1, 0), ring.call(0, -1, -1)
+  late_on_own = ring.call(ring.chunk_k, -1, 0)  # as in _zigzag_causal_forward
 
   def grads(call, rows, k, v, kv_seg):
     q, dout, lse, delta, q_seg = rows
@@ -365,13 +369,11 @@ def _zigzag_causal_backward(q, k, v, segment_ids, dout, lse, delta, ring: _Ring)
     next_block = _hop(ring, *block) if s + 1 < ring.axis_size else None
     k_early, v_early, ks_early = (_early_late(x)[0] for x in block)
     if s == 0:
-      k_late, v_late, ks_late = (_early_late(x)[1] for x in block)
       dq_e, dk_e, dv_e = grads(causal, early_rows, k_early, v_early, ks_early)
-      dq_l, dk_e2, dv_e2 = grads(full, late_rows, k_early, v_early, ks_early)
-      dq_l2, dk_l, dv_l = grads(causal, late_rows, k_late, v_late, ks_late)
-      dq = dq + jnp.stack([dq_e, dq_l + dq_l2], axis=1)
-      dk_block = jnp.stack([dk_e + dk_e2, dk_l], axis=1)
-      dv_block = jnp.stack([dv_e + dv_e2, dv_l], axis=1)
+      dq_l, dk_own, dv_own = grads(late_on_own, late_rows, *block)
+      dq = dq + jnp.stack([dq_e, dq_l], axis=1)
+      dk_block = _halves(dk_own).at[:, 0].add(dk_e)
+      dv_block = _halves(dv_own).at[:, 0].add(dv_e)
     else:
       dq_l, dk_e, dv_e = grads(full, late_rows, k_early, v_early, ks_early)
       chunk = jnp.where((device - s) % ring.axis_size < device, 0, 1)
