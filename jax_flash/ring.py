@@ -142,9 +142,21 @@ def _lengths(x, size: int):
 
 
 def _hop(ring: _Ring, *xs):
-  """Sends each array (None passes through) to the next device of the ring."""
+  """Sends each array (None passes through) to the next device of the ring.
+
+  Arrays of one dtype travel as one flat buffer: XLA hides at most one
+  transfer at a time behind the kernels and runs the others synchronously
+  (measured on 4 H200s: the ring forward's V waited while K overlapped)."""
   perm = [(d, (d + 1) % ring.axis_size) for d in range(ring.axis_size)]
-  return jax.lax.ppermute(xs, ring.axis_name, perm)
+  out = list(xs)
+  for dtype in dict.fromkeys(x.dtype for x in xs if x is not None):
+    group = [i for i, x in enumerate(xs) if x is not None and x.dtype == dtype]
+    buffer = _concat([xs[i].reshape(-1) for i in group], 0)
+    buffer = jax.lax.ppermute(buffer, ring.axis_name, perm)
+    offsets = np.cumsum([0] + [xs[i].size for i in group])
+    for i, start, stop in zip(group, offsets[:-1], offsets[1:]):
+      out[i] = buffer[start:stop].reshape(xs[i].shape)
+  return tuple(out)
 
 
 def _split_segments(segment_ids, parts: int) -> list:
@@ -281,6 +293,14 @@ def _chunk_of(x, index, axis: int = 1):
   return jax.lax.dynamic_index_in_dim(halves, index, axis=axis, keepdims=False)
 
 
+def _after(values_and_dependencies):
+  """The values, available only once the dependencies are computed. A ring
+  step's hop must not start before the previous step's kernels: nothing else
+  ties the chain of hops to the kernels, and XLA then runs all hops up front,
+  one after the other, with no kernel to hide them behind."""
+  return jax.lax.optimization_barrier(values_and_dependencies)
+
+
 def _combine(blocks):
   """Merges partial softmax results [(out, lse), ...] by their log-sum-exps
   in one pass (each partial output is read once)."""
@@ -313,6 +333,8 @@ def _zigzag_causal_forward(q, k, v, segment_ids, ring: _Ring):
   early, late = [], []
   block = (k, v, kv_segments)
   for s in range(ring.axis_size):
+    if s:
+      block, _ = _after((block, (early[-1], late[-1])))
     next_block = _hop(ring, *block) if s + 1 < ring.axis_size else None
     k_early, v_early, ks_early = (_early_late(x)[0] for x in block)
     if s == 0:
@@ -366,6 +388,8 @@ def _zigzag_causal_backward(q, k, v, segment_ids, dout, lse, delta, ring: _Ring)
       (jnp.zeros(_halves(q).shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
        jnp.zeros(v.shape, jnp.float32)), (q, k, v, dout, segment_ids))
   for s in range(ring.axis_size):
+    if s:
+      block, dq = _after((block, dq))
     next_block = _hop(ring, *block) if s + 1 < ring.axis_size else None
     k_early, v_early, ks_early = (_early_late(x)[0] for x in block)
     if s == 0:

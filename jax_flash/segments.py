@@ -16,8 +16,10 @@ def _bounds_one_row(ids, other_ids):
   positions = jnp.arange(other_ids.shape[0], dtype=jnp.int32)
   # Sorting (id, position) pairs puts each id's positions in one ascending run.
   sorted_ids, sorted_positions = jax.lax.sort((other_ids, positions), num_keys=2)
-  lo = jnp.searchsorted(sorted_ids, ids, side="left")
-  hi = jnp.searchsorted(sorted_ids, ids, side="right")
+  # Unrolled searches: XLA checks a GPU while loop's condition on the host,
+  # one round trip per step.
+  lo = jnp.searchsorted(sorted_ids, ids, side="left", method="scan_unrolled")
+  hi = jnp.searchsorted(sorted_ids, ids, side="right", method="scan_unrolled")
   found = hi > lo
   last_index = other_ids.shape[0] - 1
   first = sorted_positions[jnp.minimum(lo, last_index)]
@@ -36,7 +38,8 @@ def segment_ids_from_offsets(cu_seqlens, total: int, padding_id: int):
   """Document index of each of ``total`` packed tokens; ``padding_id`` past
   the last offset."""
   positions = jnp.arange(total, dtype=jnp.int32)
-  ids = jnp.searchsorted(cu_seqlens[1:], positions, side="right").astype(jnp.int32)
+  ids = jnp.searchsorted(cu_seqlens[1:], positions, side="right", method="scan_unrolled")
+  ids = ids.astype(jnp.int32)
   return jnp.where(positions < cu_seqlens[-1], ids, jnp.int32(padding_id))
 
 
