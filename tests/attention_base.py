@@ -226,6 +226,16 @@ class AttentionTestBase:
     # Queries and keys of the padding (id -1 on both sides) see each other.
     assert np.all(np.isfinite(lse[:, :, -13:]))
 
+  @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+  def test_long_and_interleaved_documents(self, causal):
+    # Documents longer than a kernel tile (tiles inside one document skip the
+    # id comparison) and document 0 resuming after document 1 (its rows'
+    # bounds then cover document 1's tiles, which must stay hidden).
+    row = np.concatenate([np.full(n, doc) for doc, n in ((0, 200), (1, 261), (0, 150), (2, 90))])
+    ids = np.stack([row, np.zeros_like(row)]).astype(np.int32)
+    self.check(seq_q=701, seq_k=701, segment_ids=jnp.asarray(ids), causal=causal,
+               dtype=self.dtypes[0])
+
   def test_cross_segments_and_padding_queries(self):
     q_ids = packed_segment_ids(9, batch=2, seq=120, num_docs=4, padding=7)
     kv_ids = packed_segment_ids(10, batch=2, seq=200, num_docs=4, padding=0)

@@ -20,8 +20,9 @@ query tile is enough). lse and delta are read from global memory by the
 threads that own the rows; their latency hides behind the first two GEMMs.
 
 The packed-document variant (has_segments) narrows the query tiles to the
-union of the KV tile's keys' q_bounds and compares segment ids on every
-visited tile, as the sm80 family does.
+union of the KV tile's keys' q_bounds; a thread compares segment ids only on
+tiles where the rows and columns it holds carry more than one id (document
+edges), elsewhere only the length / diagonal / window mask applies.
 """
 
 import math
@@ -431,9 +432,14 @@ class FlashBwdSm90:
         n_cols = cute.size(tScS, mode=[1])
         row_seg = cute.make_rmem_tensor(n_rows, Int32)
         col_seg = cute.make_rmem_tensor(n_cols, Int32)
+        # Nonzero when this thread's columns span several documents; a tile
+        # whose rows and columns (as this thread holds them) share one id
+        # needs no id comparisons.
+        seg_differs = Int32(0)
         if cutlass.const_expr(self.has_segments):
             for c in cutlass.range_constexpr(n_cols):
                 col_seg[c] = mKVSeg[batch, cutlass.min(n0 + tScS[0, c][1], seqlen_k - 1)]
+                seg_differs = seg_differs | (col_seg[c] ^ col_seg[0])
 
         if n_iters > 0:
             cute.arch.mbarrier_wait(kv_bar, 0)
@@ -447,10 +453,12 @@ class FlashBwdSm90:
             # rows that see no key (lse = -inf) get lse = +inf, so P = 0.
             lse_log2 = cute.make_rmem_tensor(n_rows, Float32)
             delta = cute.make_rmem_tensor(n_rows, Float32)
+            tile_differs = seg_differs
             for r in cutlass.range_constexpr(n_rows):
                 row = m0 + tScS[r, 0][0]
                 if cutlass.const_expr(self.has_segments):
                     row_seg[r] = mQSeg[batch, cutlass.min(row, seqlen_q - 1)]
+                    tile_differs = tile_differs | (row_seg[r] ^ col_seg[0])
                 lse_log2[r] = Float32.inf
                 delta[r] = Float32(0.0)
                 if row < seqlen_q:
@@ -478,7 +486,11 @@ class FlashBwdSm90:
                 and (n0 + N - 1) - m0 <= hi
             )
             if cutlass.const_expr(self.has_segments):
-                zero_outside_key_window(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi, row_seg, col_seg)
+                if tile_differs != 0:
+                    zero_outside_key_window(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi,
+                                            row_seg, col_seg)
+                elif not full_tile:
+                    zero_outside_key_window(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi)
             elif not full_tile:
                 zero_outside_key_window(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi)
             rP = cute.make_fragment_like(acc_S, self.dtype)

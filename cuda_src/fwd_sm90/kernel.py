@@ -21,9 +21,10 @@ j >= i + diag_offset - window_left (window_left >= 0) and
 j <= i + diag_offset + window_right (window_right >= 0).
 
 The packed-document variant (has_segments) also requires equal segment ids.
-It narrows the CTA's KV range to the union of its rows' kv_bounds and
-compares ids on every visited tile: the bounds only say where visible keys
-can be, not that every key inside them is visible.
+It narrows the CTA's KV range to the union of its rows' kv_bounds (which
+only say where visible keys can be, not that every key inside is visible).
+A KV tile whose keys all carry one id (a warp vote) only masks the rows of
+other documents; ids are compared per score on the other tiles.
 """
 
 import math
@@ -39,7 +40,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from common.dsl_common import cap_scores, logit_scales
-from segment_ids import load_tile_ids, warp_bounds_union
+from segment_ids import load_tile_ids, warp_bounds_union, warp_tile_segment
 
 LN2 = math.log(2.0)
 WG_THREADS = 128  # one warpgroup
@@ -474,13 +475,14 @@ class FlashFwdSm90:
             self._turn_wait(wg)
             acc_S = self._gemm_qk(tiled_mma_qk, acc_S_shape, tSrQ, tSrK, kv_state.index)
             self._turn_pass(wg)
-            col_seg = self._load_col_ids(mKVSeg, tScS, batch, n_block * tile_n)
+            tile_seg = self._tile_segment(mKVSeg, batch, n_block * tile_n)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(kv_state)
             cap_scores(acc_S, softcap_in)
             acc_S_mn = self._mn_view(acc_S)
-            self._apply_mask(acc_S_mn, tScS, row_start, n_block * tile_n, q_len, kv_len,
-                             diag_offset, window_left, window_right, row_seg, col_seg)
+            self._mask_tile(acc_S_mn, tScS, row_start, n_block, full_lo, full_hi, q_len,
+                            kv_len, diag_offset, window_left, window_right, row_seg,
+                            tile_seg, mKVSeg, batch)
             self._softmax_stats(acc_S_mn, row_max, row_sum, scale_log2)
             rP.store(acc_S.load().to(self.dtype))
 
@@ -495,18 +497,14 @@ class FlashFwdSm90:
                 self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)
                 self._turn_pass(wg)
                 # Issued while the GEMMs run, so that their latency hides.
-                col_seg = self._load_col_ids(mKVSeg, tScS, batch, n_block * tile_n)
+                tile_seg = self._tile_segment(mKVSeg, batch, n_block * tile_n)
                 warpgroup.wait_group(1)
                 pipe_k.consumer_release(kv_state)
                 cap_scores(acc_S, softcap_in)
                 acc_S_mn = self._mn_view(acc_S)
-                if cutlass.const_expr(self.has_segments):
-                    self._apply_mask(acc_S_mn, tScS, row_start, n_block * tile_n, q_len,
-                                     kv_len, diag_offset, window_left, window_right,
-                                     row_seg, col_seg)
-                elif n_block < full_lo or n_block >= full_hi:
-                    self._apply_mask(acc_S_mn, tScS, row_start, n_block * tile_n, q_len,
-                                     kv_len, diag_offset, window_left, window_right)
+                self._mask_tile(acc_S_mn, tScS, row_start, n_block, full_lo, full_hi, q_len,
+                                kv_len, diag_offset, window_left, window_right, row_seg,
+                                tile_seg, mKVSeg, batch)
                 factor = self._softmax_stats(acc_S_mn, row_max, row_sum, scale_log2)
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(v_state)
@@ -557,12 +555,41 @@ class FlashFwdSm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def _load_col_ids(self, mKVSeg, tScS, batch, n_start):
-        """Segment ids of this thread's S columns; None for the plain variant."""
-        col_seg = None
+    def _tile_segment(self, mKVSeg, batch, n_start):
+        """(id, uniform) of a KV tile's segment ids (warp_tile_segment); None
+        for the plain variant."""
+        tile_seg = None
         if cutlass.const_expr(self.has_segments):
-            col_seg = load_tile_ids(mKVSeg, batch, n_start, tScS[0, None], self.tile_n)
-        return col_seg
+            tile_seg = warp_tile_segment(mKVSeg, batch, n_start, self.tile_n)
+        return tile_seg
+
+    @cute.jit
+    def _mask_tile(
+        self, acc_S_mn, tScS, row_start, n_block, full_lo, full_hi, q_len, kv_len,
+        diag_offset, window_left, window_right, row_seg, tile_seg, mKVSeg, batch,
+    ):
+        """Masks one S tile. Tiles in [full_lo, full_hi) are visible to every
+        row as far as lengths, diagonal and window go. A packed-document tile whose keys
+        all belong to one document only masks the rows of other documents;
+        any other packed tile compares ids element by element."""
+        n_start = n_block * self.tile_n
+        if cutlass.const_expr(self.has_segments):
+            tile_id, uniform = tile_seg
+            if uniform:
+                if n_block < full_lo or n_block >= full_hi:
+                    self._apply_mask(acc_S_mn, tScS, row_start, n_start, q_len, kv_len,
+                                     diag_offset, window_left, window_right)
+                for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                    if row_seg[r] != tile_id:
+                        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                            acc_S_mn[r, c] = -cutlass.Float32.inf
+            else:
+                col_seg = load_tile_ids(mKVSeg, batch, n_start, tScS[0, None], self.tile_n)
+                self._apply_mask(acc_S_mn, tScS, row_start, n_start, q_len, kv_len,
+                                 diag_offset, window_left, window_right, row_seg, col_seg)
+        elif n_block < full_lo or n_block >= full_hi:
+            self._apply_mask(acc_S_mn, tScS, row_start, n_start, q_len, kv_len,
+                             diag_offset, window_left, window_right)
 
     @cute.jit
     def _apply_mask(

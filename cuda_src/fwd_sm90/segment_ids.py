@@ -56,3 +56,20 @@ def load_tile_ids(mSeg: cute.Tensor, batch, start, coords: cute.Tensor, extent: 
         for i in cutlass.range_constexpr(num):
             ids[i] = mSeg[batch, cutlass.min(start + coords[i][1], seqlen - 1)]
     return ids
+
+
+@cute.jit
+def warp_tile_segment(mSeg: cute.Tensor, batch, start, extent: cutlass.Constexpr):
+    """(id, uniform): the segment id at column `start` and whether all
+    `extent` columns from `start` (clamped to the sequence) hold it. Lanes
+    read consecutive columns (coalesced) and vote, so every lane of the warp
+    gets the same answer: a tile inside one document then costs a few loads
+    instead of an id comparison per score."""
+    assert extent % WARP_SIZE == 0
+    last = mSeg.shape[1] - 1
+    lane = cute.arch.lane_idx()
+    tile_id = mSeg[batch, cutlass.min(start, last)]
+    differs = cutlass.Int32(0)
+    for i in cutlass.range_constexpr(extent // WARP_SIZE):
+        differs = differs | (mSeg[batch, cutlass.min(start + i * WARP_SIZE + lane, last)] ^ tile_id)
+    return tile_id, cute.arch.vote_all_sync(differs == 0)
