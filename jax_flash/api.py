@@ -71,7 +71,19 @@ def _attention(q, k, v, shapes, *, scale, diag_offset, window_left, window_right
   call = ffi.KernelCall(backend=backend, scale=scale, diag_offset=diag_offset,
                         window_left=window_left, window_right=window_right, softcap=softcap,
                         deterministic=deterministic)
-  return vjp.flash_attention(q, k, v, q_lens, kv_lens, *segment_operands, call)
+  v, unpad = pad_value_head_dim(backend, v, shapes)
+  out, lse = vjp.flash_attention(q, k, v, q_lens, kv_lens, *segment_operands, call)
+  return unpad(out), lse
+
+
+def pad_value_head_dim(backend: str, v, shapes: validation.Shapes):
+  """(v as the ``backend`` kernels take it, the function that turns their
+  output back into ``head_dim_v`` columns); see configs.BackendSupport."""
+  padding = configs.BACKENDS[backend].value_padding(shapes.head_dim, shapes.head_dim_v)
+  if not padding:
+    return v, lambda out: out
+  v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, padding)])
+  return v, lambda out: out[..., :shapes.head_dim_v]
 
 
 def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None = None,

@@ -19,23 +19,29 @@ class BackendSupport:
   dtypes: tuple[np.dtype, ...]
   head_dims: tuple[int, ...] | None  # None: any head dim up to max_head_dim
   max_head_dim: int
-  same_head_dim_v: bool  # head_dim_v must equal head_dim
+  # False: any head_dim_v up to max_head_dim. True: head_dim_v <= head_dim,
+  # served with V zero-padded to head_dim (exact: the padded columns of O are
+  # zeros and are cut off) at the cost of the wider P V product.
+  pads_head_dim_v: bool
 
   def unsupported_reason(self, dtype, head_dim: int, head_dim_v: int) -> str | None:
     """Why this backend cannot run the problem, or None when it can."""
     if np.dtype(dtype) not in self.dtypes:
       names = ", ".join(np.dtype(d).name for d in self.dtypes)
       return f"the {self.name} kernels support dtypes {names}, got {np.dtype(dtype).name}"
-    allowed = self.head_dims
+    if self.head_dims is not None and head_dim not in self.head_dims:
+      return f"the {self.name} kernels support head_dim in {self.head_dims}, got {head_dim}"
     for label, dim in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
-      if allowed is not None and dim not in allowed:
-        return f"the {self.name} kernels support {label} in {allowed}, got {dim}"
       if dim > self.max_head_dim:
         return f"the {self.name} kernels support {label} <= {self.max_head_dim}, got {dim}"
-    if self.same_head_dim_v and head_dim_v != head_dim:
-      return (f"the {self.name} kernels need head_dim_v == head_dim, got head_dim={head_dim}, "
+    if self.pads_head_dim_v and head_dim_v > head_dim:
+      return (f"the {self.name} kernels need head_dim_v <= head_dim, got head_dim={head_dim}, "
               f"head_dim_v={head_dim_v}")
     return None
+
+  def value_padding(self, head_dim: int, head_dim_v: int) -> int:
+    """Zero columns to append to V (and cut from O) for the kernels."""
+    return head_dim - head_dim_v if self.pads_head_dim_v else 0
 
 
 CPU = BackendSupport(
@@ -43,17 +49,18 @@ CPU = BackendSupport(
     dtypes=(np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)),
     head_dims=None,
     max_head_dim=512,
-    same_head_dim_v=False,
+    pads_head_dim_v=False,
 )
 
 # The FlashAttention-2-style CuTe DSL kernels (cuda_src/fwd_sm80, bwd_sm80),
-# exported for sm_80 and sm_90a.
+# exported for sm_80 and sm_90a, and the Hopper kernels (fwd_sm90, bwd_sm90).
+# A smaller V head dim (DeepSeek's 192 / 128) runs padded.
 GPU = BackendSupport(
     name="gpu",
     dtypes=(np.dtype(jnp.float16), np.dtype(jnp.bfloat16)),
     head_dims=(64, 96, 128, 192, 256),
     max_head_dim=256,
-    same_head_dim_v=True,
+    pads_head_dim_v=True,
 )
 
 BACKENDS = {"cpu": CPU, "gpu": GPU}

@@ -64,10 +64,10 @@ class AttentionTestBase:
   long_seq = 4097
 
   def check(self, *, batch=2, seq_q=113, seq_k=241, heads_q=4, heads_kv=2, head_dim=64,
-            dtype=jnp.bfloat16, causal=False, window=None, q_lens=None, kv_lens=None,
-            segment_ids=None, softcap=None, deterministic=False, seed=0):
+            head_dim_v=None, dtype=jnp.bfloat16, causal=False, window=None, q_lens=None,
+            kv_lens=None, segment_ids=None, softcap=None, deterministic=False, seed=0):
     q, k, v, dout = numerics.random_qkv(seed, batch, seq_q, seq_k, heads_q, heads_kv, head_dim,
-                                        dtype)
+                                        dtype, head_dim_v)
     scale = 1.0 / np.sqrt(head_dim)
     got = run_attention(q, k, v, dout, self.implementation, causal=causal, window=window,
                         query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
@@ -83,6 +83,12 @@ class AttentionTestBase:
   @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
   def test_matches_reference(self, dtype, head_dim, causal):
     self.check(dtype=dtype, head_dim=head_dim, causal=causal)
+
+  @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+  def test_smaller_value_head_dim(self, causal):
+    # DeepSeek's prefill shape: queries and keys 192 wide, values 128.
+    self.check(head_dim=192, head_dim_v=128, dtype=self.dtypes[0], causal=causal,
+               seq_q=200, seq_k=333)
 
   @pytest.mark.parametrize("seq_q,seq_k", [(1, 1), (17, 17), (1000, 1000), (17, 1000),
                                            (1000, 17), (1, 4097), ("long", "long")])

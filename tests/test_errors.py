@@ -114,6 +114,15 @@ def test_gpu_unsupported_head_dim():
   assert reason == "the gpu kernels support head_dim in (64, 96, 128, 192, 256), got 40"
 
 
+def test_gpu_value_head_dim():
+  gpu = jax_flash.configs.GPU
+  assert gpu.unsupported_reason(jnp.bfloat16, 192, 128) is None
+  assert gpu.value_padding(192, 128) == 64 and gpu.value_padding(128, 128) == 0
+  assert jax_flash.configs.CPU.value_padding(192, 128) == 0
+  reason = gpu.unsupported_reason(jnp.bfloat16, 128, 192)
+  assert reason == "the gpu kernels need head_dim_v <= head_dim, got head_dim=128, head_dim_v=192"
+
+
 def test_forcing_gpu_without_gpu_raises():
   reason = api._gpu_unavailable_reason()
   if reason is None:
