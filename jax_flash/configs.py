@@ -23,6 +23,10 @@ class BackendSupport:
   # served with V zero-padded to head_dim (exact: the padded columns of O are
   # zeros and are cut off) at the cost of the wider P V product.
   pads_head_dim_v: bool
+  # GQA query heads are packed into one sequence below this many queries
+  # (head_packing.py): the query rows of one forward tile (CPU: up to head
+  # dim 128).
+  query_tile_rows: int
 
   def unsupported_reason(self, dtype, head_dim: int, head_dim_v: int) -> str | None:
     """Why this backend cannot run the problem, or None when it can."""
@@ -50,6 +54,7 @@ CPU = BackendSupport(
     head_dims=None,
     max_head_dim=512,
     pads_head_dim_v=False,
+    query_tile_rows=64,
 )
 
 # The FlashAttention-2-style CuTe DSL kernels (cuda_src/fwd_sm80, bwd_sm80),
@@ -61,6 +66,7 @@ GPU = BackendSupport(
     head_dims=(64, 96, 128, 192, 256),
     max_head_dim=256,
     pads_head_dim_v=True,
+    query_tile_rows=128,
 )
 
 BACKENDS = {"cpu": CPU, "gpu": GPU}

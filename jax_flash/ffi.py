@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _cpu_ffi
+from jax_flash import _cpu_ffi, head_packing
 
 _ABI_VERSION = "v2"
 # Versions whose handlers stay registered for serialized exports (v1: no
@@ -136,7 +136,19 @@ def forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call: 
   """Runs the forward kernel: returns (o [..., T, N, Hv], lse [..., N, T] f32).
 
   The four segment operands come from ``segment_operands`` or ``no_segments``.
+  Short GQA problems run with their query heads packed (head_packing.py).
   """
+  size = head_packing.group(q, k, call)
+  if size > 1:
+    q_lens, q_ids, kv_bounds, q_bounds = head_packing.pack_masks(q_lens, q_ids, kv_bounds,
+                                                                 q_bounds, size)
+    out, lse = _forward(head_packing.pack_rows(q, size), k, v, q_lens, kv_lens, q_ids, kv_ids,
+                        kv_bounds, q_bounds, head_packing.unmasked(call))
+    return head_packing.unpack_rows(out, size), head_packing.unpack_stats(lse, size)
+  return _forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call)
+
+
+def _forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call: KernelCall):
   *batch, seq_q, heads_q, _ = q.shape
   out_types = (
       jax.ShapeDtypeStruct((*batch, seq_q, heads_q, v.shape[-1]), q.dtype),
@@ -150,6 +162,21 @@ def forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call: 
 def backward(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds,
              call: KernelCall):
   """Runs the backward kernel: returns (dq f32, dk, dv)."""
+  size = head_packing.group(q, k, call)
+  if size > 1:
+    q_lens, q_ids, kv_bounds, q_bounds = head_packing.pack_masks(q_lens, q_ids, kv_bounds,
+                                                                 q_bounds, size)
+    rows = lambda x: head_packing.pack_rows(x, size)
+    stats = lambda x: head_packing.pack_stats(x, size)
+    dq, dk, dv = _backward(rows(q), k, v, rows(dout), stats(lse), stats(delta), q_lens, kv_lens,
+                           q_ids, kv_ids, kv_bounds, q_bounds, head_packing.unmasked(call))
+    return head_packing.unpack_rows(dq, size), dk, dv
+  return _backward(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_bounds,
+                   q_bounds, call)
+
+
+def _backward(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds,
+              call: KernelCall):
   *batch, seq_q, heads_q, _ = q.shape
   # The deterministic GPU kernels order their dQ additions through this
   # scratch; otherwise it is empty.

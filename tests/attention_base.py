@@ -99,6 +99,20 @@ class AttentionTestBase:
     self.check(batch=1, seq_q=seq_q, seq_k=seq_k, heads_q=2, heads_kv=1, dtype=self.dtypes[0],
                causal=causal)
 
+  @pytest.mark.parametrize("seq_q,causal", [(1, True), (3, False), (1, False)],
+                           ids=["decode-causal", "short", "decode"])
+  def test_short_queries_pack_query_heads(self, seq_q, causal):
+    # Fewer queries than a kernel tile: the GQA group's heads share the tile.
+    kv_lens = jnp.array([290, 17], jnp.int32)
+    self.check(seq_q=seq_q, seq_k=301, heads_q=8, heads_kv=2, causal=causal,
+               kv_lens=kv_lens, dtype=self.dtypes[0])
+
+  def test_short_queries_with_documents_and_lengths(self):
+    q_ids = jnp.array([[0, 0, 1, 1, 1, 2, 2], [3, 3, 3, 3, 4, 4, 4]], jnp.int32)
+    kv_ids = jnp.repeat(jnp.array([[0, 1, 2, 1], [3, 4, 4, 3]], jnp.int32), 50, axis=1)
+    self.check(seq_q=7, seq_k=200, heads_q=6, heads_kv=2, segment_ids=(q_ids, kv_ids),
+               q_lens=jnp.array([7, 5], jnp.int32), dtype=self.dtypes[0])
+
   @pytest.mark.parametrize("heads_q,heads_kv", [(8, 8), (8, 4), (8, 2), (8, 1)],
                            ids=["mha", "gqa2", "gqa4", "mqa"])
   def test_grouped_heads(self, heads_q, heads_kv):

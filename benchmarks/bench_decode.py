@@ -1,0 +1,120 @@
+"""One decoding step with GQA: jax_flash with its query heads packed into one
+tile, the same kernels without packing, cuDNN and XLA, in one process on one
+GPU.
+
+    python benchmarks/bench_decode.py --out benchmarks/results/h100-DATE.json
+
+Each configuration is ``--batch`` sequences of one new query against
+``seq_k`` keys (causal: the query sees them all, so the anchors run
+unmasked), ``--heads`` query heads sharing ``--heads-kv`` kv heads. A
+decoding step reads K and V once,
+so rows carry ``gbps``: K/V bytes over the forward time (the bandwidth the
+memory-bound kernel reaches). Rows: impl "jax_flash" with variant
+"gqa-packed" / "gqa-unpacked", "cudnn" and "xla" with variant "gqa".
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import jax_flash
+from jax_flash import benchmark, configs
+
+
+@contextlib.contextmanager
+def query_heads_unpacked():
+  """The GPU backend with query-head packing turned off (for comparison)."""
+  original = configs.BACKENDS["gpu"]
+  configs.BACKENDS["gpu"] = dataclasses.replace(original, query_tile_rows=0)
+  try:
+    yield
+  finally:
+    configs.BACKENDS["gpu"] = original
+
+
+def make_inputs(batch, queries, seq_k, heads, heads_kv, head_dim, dtype):
+  keys = jax.random.split(jax.random.key(0), 3)
+  make = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(dtype)
+  return (make(keys[0], (batch, queries, heads, head_dim)),
+          make(keys[1], (batch, seq_k, heads_kv, head_dim)),
+          make(keys[2], (batch, seq_k, heads_kv, head_dim)))
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--heads", type=int, default=32)
+  parser.add_argument("--heads-kv", type=int, default=4)
+  parser.add_argument("--head-dim", type=int, default=128)
+  parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+  parser.add_argument("--out", type=pathlib.Path, help="JSON file to append rows to")
+  args = parser.parse_args(argv)
+  if jax.default_backend() != "gpu":
+    print("bench_decode: needs a GPU")
+    return 2
+  device = jax.devices()[0]
+  print(f"{device.device_kind}, jax {jax.__version__}, {args.dtype}, batch {args.batch}, "
+        f"heads {args.heads}/{args.heads_kv}, hd{args.head_dim}", flush=True)
+  print(f"{'seq_k':>7}  {'impl':<24}{'ms':>9}{'GB/s':>8}{'x unpacked':>12}", flush=True)
+  rows = []
+  for seq_k in args.seqs:
+    q, k, v = make_inputs(args.batch, 1, seq_k, args.heads, args.heads_kv, args.head_dim,
+                          args.dtype)
+    kv_bytes = 2 * k.size * k.dtype.itemsize
+    plan = [
+        ("jax_flash", "gqa-unpacked", query_heads_unpacked),
+        ("jax_flash", "gqa-packed", contextlib.nullcontext),
+        ("cudnn", "gqa", contextlib.nullcontext),
+        ("xla", "gqa", contextlib.nullcontext),
+    ]
+    unpacked_ms = None
+    for impl, variant, context in plan:
+      if impl == "jax_flash":
+        attend = lambda q, k, v: jax_flash.attention(q, k, v, causal=True,
+                                                     implementation="flash")
+      else:
+        attend = anchor_fn(impl)
+      try:
+        with context():
+          ms = benchmark._time(jax.jit(attend), (q, k, v))
+      except Exception as e:  # an implementation that rejects the shape is reported
+        print(f"{seq_k:>7}  {impl + ':' + variant:<24}failed: "
+              f"{benchmark.error_summary(e)}", flush=True)
+        continue
+      if variant == "gqa-unpacked":
+        unpacked_ms = ms
+      gbps = kv_bytes / ms / 1e6
+      ratio = f"{unpacked_ms / ms:.2f}" if unpacked_ms else "-"
+      print(f"{seq_k:>7}  {impl + ':' + variant:<24}{ms:9.4f}{gbps:8.0f}"
+            f"{ratio:>12}", flush=True)
+      rows.append({
+          "impl": impl, "dtype": args.dtype, "batch": args.batch, "seq_q": 1,
+          "seq_k": seq_k, "heads_q": args.heads, "heads_kv": args.heads_kv,
+          "head_dim": args.head_dim, "head_dim_v": args.head_dim, "causal": True,
+          "window": None, "variant": variant, "op": "fwd", "tflops": None,
+          "ms": round(ms, 4), "gbps": round(gbps, 1), "gpu": device.device_kind,
+          "jax": jax.__version__, "date": benchmark.datetime.date.today().isoformat(),
+          "matmul_ceiling_tflops": None})
+  if args.out:
+    existing = json.loads(args.out.read_text()) if args.out.exists() else []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(existing + rows, indent=1) + "\n")
+    print(f"wrote {len(rows)} rows to {args.out}")
+  return 0
+
+
+def anchor_fn(impl: str):
+  # jax.nn aligns a causal mask top-left; the one query of a decoding step
+  # sees every key, which unmasked attention computes.
+  return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=impl)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
