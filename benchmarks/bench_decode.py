@@ -1,6 +1,6 @@
-"""One decoding step with GQA: jax_flash with its query heads packed into one
-tile, the same kernels without packing, cuDNN and XLA, in one process on one
-GPU.
+"""One decoding step with GQA: jax_flash as it runs by default (query heads
+packed into one tile, keys split into chunks: head_packing.py, kv_split.py),
+the same kernels with neither, cuDNN and XLA, in one process on one GPU.
 
     python benchmarks/bench_decode.py --out benchmarks/results/h100-DATE.json
 
@@ -10,7 +10,8 @@ unmasked), ``--heads`` query heads sharing ``--heads-kv`` kv heads. A
 decoding step reads K and V once,
 so rows carry ``gbps``: K/V bytes over the forward time (the bandwidth the
 memory-bound kernel reaches). Rows: impl "jax_flash" with variant
-"gqa-packed" / "gqa-unpacked", "cudnn" and "xla" with variant "gqa".
+"gqa-packed-split" (the default) / "gqa-plain", "cudnn" and "xla" with
+variant "gqa".
 """
 
 import argparse
@@ -28,10 +29,11 @@ from jax_flash import benchmark, configs
 
 
 @contextlib.contextmanager
-def query_heads_unpacked():
-  """The GPU backend with query-head packing turned off (for comparison)."""
+def plain_kernel_calls():
+  """The GPU backend with query-head packing and split-KV turned off (for
+  comparison): no query count is below one row, no grid is too small."""
   original = configs.BACKENDS["gpu"]
-  configs.BACKENDS["gpu"] = dataclasses.replace(original, query_tile_rows=0)
+  configs.BACKENDS["gpu"] = dataclasses.replace(original, query_tile_rows=1, kv_split_ctas=0)
   try:
     yield
   finally:
@@ -62,19 +64,19 @@ def main(argv=None) -> int:
   device = jax.devices()[0]
   print(f"{device.device_kind}, jax {jax.__version__}, {args.dtype}, batch {args.batch}, "
         f"heads {args.heads}/{args.heads_kv}, hd{args.head_dim}", flush=True)
-  print(f"{'seq_k':>7}  {'impl':<24}{'ms':>9}{'GB/s':>8}{'x unpacked':>12}", flush=True)
+  print(f"{'seq_k':>7}  {'impl':<24}{'ms':>9}{'GB/s':>8}{'x plain':>9}", flush=True)
   rows = []
   for seq_k in args.seqs:
     q, k, v = make_inputs(args.batch, 1, seq_k, args.heads, args.heads_kv, args.head_dim,
                           args.dtype)
     kv_bytes = 2 * k.size * k.dtype.itemsize
     plan = [
-        ("jax_flash", "gqa-unpacked", query_heads_unpacked),
-        ("jax_flash", "gqa-packed", contextlib.nullcontext),
+        ("jax_flash", "gqa-plain", plain_kernel_calls),
+        ("jax_flash", "gqa-packed-split", contextlib.nullcontext),
         ("cudnn", "gqa", contextlib.nullcontext),
         ("xla", "gqa", contextlib.nullcontext),
     ]
-    unpacked_ms = None
+    plain_ms = None
     for impl, variant, context in plan:
       if impl == "jax_flash":
         attend = lambda q, k, v: jax_flash.attention(q, k, v, causal=True,
@@ -88,12 +90,12 @@ def main(argv=None) -> int:
         print(f"{seq_k:>7}  {impl + ':' + variant:<24}failed: "
               f"{benchmark.error_summary(e)}", flush=True)
         continue
-      if variant == "gqa-unpacked":
-        unpacked_ms = ms
+      if variant == "gqa-plain":
+        plain_ms = ms
       gbps = kv_bytes / ms / 1e6
-      ratio = f"{unpacked_ms / ms:.2f}" if unpacked_ms else "-"
+      ratio = f"{plain_ms / ms:.2f}" if plain_ms else "-"
       print(f"{seq_k:>7}  {impl + ':' + variant:<24}{ms:9.4f}{gbps:8.0f}"
-            f"{ratio:>12}", flush=True)
+            f"{ratio:>9}", flush=True)
       rows.append({
           "impl": impl, "dtype": args.dtype, "batch": args.batch, "seq_q": 1,
           "seq_k": seq_k, "heads_q": args.heads, "heads_kv": args.heads_kv,

@@ -27,6 +27,9 @@ class BackendSupport:
   # (head_packing.py): the query rows of one forward tile (CPU: up to head
   # dim 128).
   query_tile_rows: int
+  # A forward with fewer CTAs than this splits its keys (kv_split.py); 0:
+  # never (the CPU kernels parallelise over their own tasks).
+  kv_split_ctas: int
 
   def unsupported_reason(self, dtype, head_dim: int, head_dim_v: int) -> str | None:
     """Why this backend cannot run the problem, or None when it can."""
@@ -55,6 +58,7 @@ CPU = BackendSupport(
     max_head_dim=512,
     pads_head_dim_v=False,
     query_tile_rows=64,
+    kv_split_ctas=0,
 )
 
 # The FlashAttention-2-style CuTe DSL kernels (cuda_src/fwd_sm80, bwd_sm80),
@@ -67,6 +71,7 @@ GPU = BackendSupport(
     max_head_dim=256,
     pads_head_dim_v=True,
     query_tile_rows=128,
+    kv_split_ctas=2 * 132,  # two waves on an H100
 )
 
 BACKENDS = {"cpu": CPU, "gpu": GPU}

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _cpu_ffi, head_packing
+from jax_flash import _cpu_ffi, head_packing, kv_split
 
 _ABI_VERSION = "v2"
 # Versions whose handlers stay registered for serialized exports (v1: no
@@ -142,9 +142,19 @@ def forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call: 
   if size > 1:
     q_lens, q_ids, kv_bounds, q_bounds = head_packing.pack_masks(q_lens, q_ids, kv_bounds,
                                                                  q_bounds, size)
-    out, lse = _forward(head_packing.pack_rows(q, size), k, v, q_lens, kv_lens, q_ids, kv_ids,
-                        kv_bounds, q_bounds, head_packing.unmasked(call))
+    out, lse = _split_or_whole_forward(head_packing.pack_rows(q, size), k, v, q_lens, kv_lens,
+                                       q_ids, kv_ids, kv_bounds, q_bounds,
+                                       head_packing.unmasked(call))
     return head_packing.unpack_rows(out, size), head_packing.unpack_stats(lse, size)
+  return _split_or_whole_forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds,
+                                 call)
+
+
+def _split_or_whole_forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call):
+  parts = kv_split.parts(q, k, call, has_segments=q_ids.shape[-1] > 0)
+  if parts > 1:
+    return kv_split.split_forward(_forward, q, k, v, q_lens, kv_lens,
+                                  (q_ids, kv_ids, kv_bounds, q_bounds), call, parts)
   return _forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call)
 
 

@@ -107,6 +107,12 @@ class AttentionTestBase:
     self.check(seq_q=seq_q, seq_k=301, heads_q=8, heads_kv=2, causal=causal,
                kv_lens=kv_lens, dtype=self.dtypes[0])
 
+  def test_decoding_long_cache(self):
+    # Few query tiles over many keys: the GPU forward splits the keys into
+    # chunks (kv_split.py) and merges them.
+    self.check(batch=3, seq_q=1, seq_k=4096, heads_q=8, heads_kv=2, causal=True,
+               kv_lens=jnp.array([4096, 700, 0], jnp.int32), dtype=self.dtypes[0])
+
   def test_short_queries_with_documents_and_lengths(self):
     q_ids = jnp.array([[0, 0, 1, 1, 1, 2, 2], [3, 3, 3, 3, 4, 4, 4]], jnp.int32)
     kv_ids = jnp.repeat(jnp.array([[0, 1, 2, 1], [3, 4, 4, 3]], jnp.int32), 50, axis=1)
