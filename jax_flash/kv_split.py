@@ -9,7 +9,10 @@ kernel takes the merged lse, which is the whole problem's.
 
 The chunks are a reshape of K/V (no copy), so ``parts`` divides seq_k. A
 split needs a problem in which every query row sees every key (the rows of a
-chunk index no longer match the diagonal) and no segment ids.
+chunk index no longer match the diagonal) and no segment ids. The partial
+outputs are rounded to the input dtype before the merge, and the number of
+chunks follows the grid size: a sequence's output may differ in its last
+bits with the batch it runs in (run to run it repeats exactly).
 """
 
 import math
