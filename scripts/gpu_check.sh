@@ -53,6 +53,8 @@ if [[ $STAGE == bench || $STAGE == all ]]; then
   step "benchmark: fp16, head dim 128, with Pallas Mosaic GPU"
   "$PYTHON" benchmarks/bench_attention.py --dtype float16 --head-dims 128 --seqs $SEQS \
       --out "$OUT/bench.json" --plot "$OUT/sweep_fp16_hd128.png" 2>&1 | tee -a "$OUT/bench.log"
+  step "benchmark: decoding (GQA packing, split-KV)"
+  "$PYTHON" benchmarks/bench_decode.py --out "$OUT/bench.json" 2>&1 | tee -a "$OUT/bench.log"
   step "benchmark: packed documents"
   "$PYTHON" benchmarks/bench_attention.py --head-dims 128 --packed-docs 8 \
       --out "$OUT/bench.json" 2>&1 | tail -3 | tee -a "$OUT/bench.log"

@@ -9,9 +9,11 @@ import jax
 import pytest
 
 from jax_flash import benchmark
+from jax_flash import configs as jax_flash_configs
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_attention  # noqa: E402
+import bench_decode  # noqa: E402
 import plot_results  # noqa: E402
 
 ROW_FIELDS = {"impl", "op", "dtype", "batch", "seq_q", "seq_k", "heads_q", "heads_kv", "head_dim",
@@ -177,3 +179,17 @@ def test_plot_script_selects_a_run(tmp_path, capsys):
   assert (tmp_path / "results.png").exists()
   assert "(8 lines)" in capsys.readouterr().out
   assert plot_results.main([str(results), "--run", "7"]) == 1
+
+
+def test_decode_comparison_turns_packing_and_split_off_and_back():
+  default = jax_flash_configs.BACKENDS["gpu"]
+  with bench_decode.plain_kernel_calls():
+    plain = jax_flash_configs.BACKENDS["gpu"]
+    assert plain.query_tile_rows == 1 and plain.kv_split_ctas == 0
+  assert jax_flash_configs.BACKENDS["gpu"] is default
+
+
+def test_decode_benchmark_needs_a_gpu():
+  if jax.default_backend() == "gpu":
+    pytest.skip("a GPU is present")
+  assert bench_decode.main([]) == 2
