@@ -556,10 +556,19 @@ def zigzag_indices(seq_len: int, num_devices: int) -> np.ndarray:
 
 def to_zigzag(x, num_devices: int, axis: int = 1):
   """Permutes the sequence ``axis`` of ``x`` into zigzag order."""
-  return jnp.take(x, zigzag_indices(np.shape(x)[axis], num_devices), axis=axis)
+  return _reorder(x, zigzag_indices(np.shape(x)[axis], num_devices), axis)
 
 
 def from_zigzag(x, num_devices: int, axis: int = 1):
   """Undoes ``to_zigzag``."""
-  inverse = np.argsort(zigzag_indices(np.shape(x)[axis], num_devices))
-  return jnp.take(x, inverse, axis=axis)
+  return _reorder(x, np.argsort(zigzag_indices(np.shape(x)[axis], num_devices)), axis)
+
+
+def _reorder(x, order, axis: int):
+  """``x`` with ``axis`` permuted by ``order``; an array sharded over
+  explicit mesh axes keeps its sharding (its gather has to be told)."""
+  x = jnp.asarray(x)
+  sharding = jax.typeof(x).sharding
+  if AxisType.Explicit in sharding.mesh.axis_types:
+    return x.at[(slice(None),) * axis + (order,)].get(out_sharding=sharding)
+  return jnp.take(x, order, axis=axis)
