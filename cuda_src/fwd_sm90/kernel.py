@@ -67,10 +67,14 @@ BAR_EPILOGUE = 3
 # (tile_n / 4 packed regs) and O (head_dim / 2 fp32) per thread; with 240
 # registers that allows tile_n 128 up to head_dim 128 and 64 beyond. Shared
 # memory: Q (128 x hd) + stages x (K + V) (tile_n x hd each) must fit 227 KiB.
-# Not yet justified by timings (no correct H100 run so far); the budgets were
-# checked with ptxas -v: 168 launch registers and no spills for every entry,
-# while hd128 with tile_n 176 spills 208 bytes and hd192 (K = 6 k-slices in
-# the PV GEMM) gets compiler-inserted warpgroup.arrive waits.
+# Chosen by the budgets, checked with ptxas -v: 168 launch registers and no
+# spills for every entry, while hd128 with tile_n 176 spills 208 bytes and
+# hd192 (K = 6 k-slices in the PV GEMM) gets compiler-inserted
+# warpgroup.arrive waits. No alternative has been timed yet. Measured with
+# these entries (H100, bf16, seq 8192, 16 heads, TFLOPS non-causal / causal,
+# cuDNN in the same process; results run 6): hd64 421-423 / 386 (cuDNN
+# 453-455 / 407-411), hd128 562-579 / 523-525 (602-612 / 532-533), hd256
+# 631 / 600 (660 / 591).
 TILE_CONFIG = {
     64: (128, 4),
     96: (128, 3),
