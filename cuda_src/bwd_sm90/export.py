@@ -31,7 +31,7 @@ from common.export_common import (  # noqa: E402
 )
 
 ARCHES = ("sm_90a",)  # WGMMA, TMA and setmaxnreg need the arch-specific target
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 96, 128)
 DTYPES = (("f16", "Float16", "JF_FLOAT16"), ("bf16", "BFloat16", "JF_BFLOAT16"))
 
 

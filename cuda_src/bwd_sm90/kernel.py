@@ -8,17 +8,21 @@ Warp specialisation: warpgroup 0 is the producer (one warp issues TMA loads of
 K and V once, then of Q and dO into a 2-stage mbarrier pipeline) and gives its
 registers away; warpgroups 1 and 2 compute with WGMMA:
 
-    S  = Q K^T      (each WG: all m_block rows, half of the keys)
-    dP = dO V^T     (same split)
-    P  = exp2(S * scale * log2e - lse * log2e),   dS = P * (dP - delta)
-    dQ = dS K       (each WG: half of the head dim) -> shared -> TMA add
-    dV += P^T dO    (each WG: half of the keys, all of the head dim)
-    dK += dS^T Q    (same split; times scale at the end)
+    S^T  = K Q^T     (each WG: half of the keys, all m_block query rows)
+    dP^T = V dO^T    (same split)
+    P^T  = exp2(S^T * scale * log2e - lse * log2e),  dS^T = P^T * (dP^T - delta)
+    dV  += P^T dO    (each WG: its keys, all of the head dim; P^T from registers)
+    dK  += dS^T Q    (same; times scale at the end)
+    dQ   = dS K      (each WG: half of the head dim) -> shared -> TMA add
 
-P and dS go through shared memory (double buffered, so one named barrier per
-query tile is enough), written with stmatrix. lse and delta are read from
-global memory by the threads that own the rows, after the first two GEMMs
-are issued so that their latency hides behind them.
+Computing the transposed scores puts the keys in the WGMMA M dimension, so
+P^T and dS^T come out of the accumulators already in the register layout of
+the A operand of dV and dK: P never touches shared memory and the dV GEMM
+starts as soon as P^T exists. Only dS^T goes to shared memory (stmatrix,
+double buffered, so one named barrier per query tile is enough), because dQ
+needs every key of a query row. lse and delta are per column now: each lane
+loads two rows' worth after the first GEMMs are issued (their latency hides
+behind them) and the others arrive by shuffles.
 
 dQ leaves the consumers through a shared fp32 tile: a second producer warp
 adds it to the fp32 accumulator in global memory with one TMA reduce-add
@@ -55,7 +59,15 @@ from common.dsl_common import (
     segment_bounds_union,
     store_existing_rows,
     wait_at_least,
-    zero_outside_key_window,
+    wgmma_acc_as_operand_a,
+    wgmma_acc_as_rows_cols,
+)
+from transposed_scores import (
+    load_query_stats,
+    own_query_column,
+    query_stat,
+    warp_sees_several_ids,
+    zero_hidden_pairs,
 )
 
 LOG2E = math.log2(math.e)
@@ -86,32 +98,34 @@ DQ_BAR_THREADS = NUM_MMA_THREADS + WARP_THREADS
 class TileConfig:
     m_block: int  # query rows per iteration (one WGMMA M)
     n_block: int  # keys per CTA (two WGMMA M, one per consumer WG)
-    stages: int  # Q/dO pipeline depth, also P/dS buffers
+    stages: int  # Q/dO pipeline depth, also dS buffers
 
 
 # Frozen per head dim. n_block = 128 puts one 64-row WGMMA per consumer WG in
-# the dK/dV GEMMs; m_block = 64 is the smallest query tile WGMMA allows and
-# keeps the S/dP/dQ fragments at 32 floats per thread for hd128. Shared
-# memory (2 stages, fp32 dQ tile): hd128 224 KiB, hd64 144 KiB.
+# the S^T, dP^T, dK and dV GEMMs; m_block = 64 keeps the S^T/dP^T/dQ
+# fragments at 32 floats per thread next to dK and dV (64 each at hd128)
+# within 240 registers. Shared memory (2 stages, dS, fp32 dQ tile): hd128
+# 192 KiB, hd96 152 KiB, hd64 112 KiB.
 # Measured on H100 (bf16, batch 2, 16 heads, seq 8192, backward TFLOPS,
-# non-causal / causal; the sm80 kernel and cuDNN in the same process):
-# hd128 371 / 358 (291 / 277, cuDNN 545 / 507), hd64 264 / 237
-# (233 / 220, cuDNN 459 / 389). hd96 with this layout (48-wide dQ slices,
-# 64- and 32-byte swizzles) was correct but ran 198 / 185 against the sm80
-# kernel's 254 / 238, so it is not built.
+# non-causal / causal, cuDNN in the same process; results runs 6 and 13):
+# earlier layout (S = Q K^T, P through shared memory, dQ by red.global):
+# hd128 371 / 358, hd64 264 / 237, hd96 198 / 185 (slower than the sm80
+# kernel, not built then). This layout: hd128 485 / 444 (cuDNN 539 / 469),
+# hd96 433 / 395 (cuDNN 423 / 393), hd64 345 / 322 (cuDNN 439 / 370).
 TILE_CONFIGS = {
     64: TileConfig(m_block=64, n_block=128, stages=2),
+    96: TileConfig(m_block=64, n_block=128, stages=2),
     128: TileConfig(m_block=64, n_block=128, stages=2),
 }
 
 
 class FlashBwdSm90:
-    """deterministic=True builds the variant that adds dQ in KV-tile order.
-    It is a compile-time choice here, unlike in the sm80 family: the turn
-    code in the consumers' loop cost the plain kernel 8-10% on H100 (hd128
-    bf16 8k: 332 against 359 TFLOPS) even with the runtime flag off. Soft
-    capping is not built (its 1 - tanh^2 fragment does not fit the 240
-    registers); capped problems run on the sm80 backward."""
+    """deterministic=True builds the variant that adds dQ in KV-tile order
+    (the writer warp waits for each tile's turn). It is a compile-time
+    choice, unlike in the sm80 family, so that the plain variant carries no
+    turn code. Soft capping is not built yet (its 1 - tanh^2 fragment needs
+    32 more registers per thread); capped problems run on the sm80
+    backward."""
 
     def __init__(
         self, dtype: Type[cutlass.Numeric], head_dim: int, deterministic: bool = False,
@@ -143,9 +157,9 @@ class FlashBwdSm90:
         cfg = TILE_CONFIGS[head_dim]
         q_do = 2 * cfg.stages * cfg.m_block * head_dim * 2
         k_v = 2 * cfg.n_block * head_dim * 2
-        p_ds = 2 * cfg.stages * cfg.m_block * cfg.n_block * 2
+        ds = cfg.stages * cfg.m_block * cfg.n_block * 2
         dq = cfg.m_block * head_dim * 4
-        return q_do + k_v + p_ds + dq + 1024
+        return q_do + k_v + ds + dq + 1024
 
     # ------------------------------------------------------------------ host
     def _smem_layout(self, rows: int, cols: int, stages: int, major_size: int):
@@ -201,11 +215,12 @@ class FlashBwdSm90:
         D, M, N, st = self.head_dim, self.m_block, self.n_block, self.stages
         K_MAJOR, MN_MAJOR = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         # dQ splits the head dim over the two WGs, dK/dV split the keys and
-        # S/dP split the keys: these are the per-WG extents each buffer is read with.
+        # S^T/dP^T split the keys: these are the per-WG extents each buffer is
+        # read with. dS is stored transposed, (keys, query rows).
         sQ_layout = self._smem_layout(M, D, st, D)
         sK_layout = self._smem_layout(N, D, 1, D // NUM_MMA_WG)
         sV_layout = self._smem_layout(N, D, 1, D)
-        sPdS_layout = self._smem_layout(M, N, st, N // NUM_MMA_WG)
+        sdS_layout = self._smem_layout(N, M, st, M)
         # fp32 dQ tile, swizzled so that the accumulator's row pairs land in
         # distinct banks; the TMA reads it back box by box.
         dq_atom = warpgroup.make_smem_layout_atom(
@@ -213,9 +228,15 @@ class FlashBwdSm90:
         )
         sdQ_layout = cute.tile_to_shape(dq_atom, (M, D), order=(0, 1))
 
-        mma_sdp = self._tiled_mma(K_MAJOR, K_MAJOR, (1, NUM_MMA_WG, 1), N // NUM_MMA_WG)
-        mma_dkv = self._tiled_mma(MN_MAJOR, MN_MAJOR, (NUM_MMA_WG, 1, 1), D)
-        mma_dq = self._tiled_mma(K_MAJOR, MN_MAJOR, (1, NUM_MMA_WG, 1), D // NUM_MMA_WG)
+        # S^T = K Q^T and dP^T = V dO^T (keys as the WGMMA M), so that P^T and
+        # dS^T are already the register A operands of dV += P^T dO and
+        # dK += dS^T Q; dQ = dS K reads dS from shared memory.
+        mma_sdp = self._tiled_mma(K_MAJOR, K_MAJOR, (NUM_MMA_WG, 1, 1), M)
+        mma_dkv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (NUM_MMA_WG, 1, 1), (WGMMA_M, D),
+            warpgroup.OperandSource.RMEM,
+        )
+        mma_dq = self._tiled_mma(MN_MAJOR, MN_MAJOR, (1, NUM_MMA_WG, 1), D // NUM_MMA_WG)
 
         # TMA views are (seqlen, head_dim, heads, batch) so a (rows, D) box
         # tiles the first two modes; rows past seqlen read as zeros.
@@ -239,8 +260,7 @@ class FlashBwdSm90:
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
             # Per-warp partial (min first, max last) of the keys' q_bounds.
             sSegRange: cute.struct.MemRange[Int32, 2 * NUM_WARPS]
@@ -260,9 +280,14 @@ class FlashBwdSm90:
             tma_Q, tma_K, tma_V, tma_dO, tma_dQ, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
             tma_atom_dQ, mLSE, mDelta, mQLens, mKVLens, mdQ, mdK, mdV, mDqSem,
             scale, scale * LOG2E, key_lo, key_hi, mQSeg, mKVSeg, mQBounds,
-            sQ_layout, sK_layout, sV_layout, sPdS_layout, sdQ_layout,
+            sQ_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout,
             mma_sdp, mma_dkv, mma_dq, gmem_store_tile, SharedStorage,
-        ).launch(grid=grid, block=[NUM_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+        ).launch(
+            grid=grid, block=[NUM_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
+            # Tells ptxas the register count at entry (65536 / 384 threads), without
+            # which it ignores setmaxnreg and compiles every warp for 168.
+            min_blocks_per_mp=1,
+        )
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -276,7 +301,7 @@ class FlashBwdSm90:
         scale: Float32, scale_log2: Float32, lo: Int32, hi: Int32,
         mQSeg: Optional[cute.Tensor], mKVSeg: Optional[cute.Tensor], mQBounds: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout, sPdS_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
         sdQ_layout: cute.ComposedLayout, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
         gmem_store_tile: cute.TiledCopy,
         SharedStorage: cutlass.Constexpr,
@@ -340,8 +365,7 @@ class FlashBwdSm90:
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sP = storage.sP.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
-        sdS = storage.sdS.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
         if warp_idx < 4:
@@ -360,7 +384,7 @@ class FlashBwdSm90:
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._consume(
-                mLSE, mDelta, mdK, mdV, sQ, sK, sV, sdO, sP, sdS, sdQ, pipe, kv_bar,
+                mLSE, mDelta, mdK, mdV, sQ, sK, sV, sdO, sdS, sdQ, pipe, kv_bar,
                 mma_sdp, mma_dkv, mma_dq, gmem_store_tile,
                 scale, scale_log2, lo, hi, n_block, kv_head, batch, group,
                 m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k, mQSeg, mKVSeg,
@@ -444,7 +468,7 @@ class FlashBwdSm90:
 
     @cute.jit
     def _consume(
-        self, mLSE, mDelta, mdK, mdV, sQ, sK, sV, sdO, sP, sdS, sdQ, pipe, kv_bar,
+        self, mLSE, mDelta, mdK, mdV, sQ, sK, sV, sdO, sdS, sdQ, pipe, kv_bar,
         mma_sdp, mma_dkv, mma_dq, gmem_store_tile,
         scale, scale_log2, lo, hi, n_block, kv_head, batch, group,
         m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k, mQSeg, mKVSeg,
@@ -453,13 +477,13 @@ class FlashBwdSm90:
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - WG_THREADS
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+        lane = cute.arch.lane_idx()
 
         # Transposed views (same bytes) for the MN-major operands.
         sQt = _transpose(sQ)
         sdOt = _transpose(sdO)
         sKt = _transpose(sK)
-        sPt = _transpose(sP)
-        sdSt = _transpose(sdS)
+        sdS_rows = _transpose(sdS)  # (query rows, keys): the A operand of dQ
 
         # Shared-memory operands are partitioned per warpgroup (descriptors),
         # accumulators per thread.
@@ -469,15 +493,13 @@ class FlashBwdSm90:
         thr_sdp = mma_sdp.get_slice(tidx)
         thr_dkv = mma_dkv.get_slice(tidx)
         thr_dq = mma_dq.get_slice(tidx)
-        tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
-        tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))
-        tdPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
-        tdPrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(sV))
-        tdVrPt = wg_dkv.make_fragment_A(wg_dkv.partition_A(sPt))
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt))
-        tdKrdSt = wg_dkv.make_fragment_A(wg_dkv.partition_A(sdSt))
         tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt))
-        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS_rows))
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
 
         acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((N, D)), Float32)
@@ -485,15 +507,13 @@ class FlashBwdSm90:
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
 
-        # P and dS: registers -> shared with stmatrix (four 8x8 tiles per
-        # instruction: a quarter of the stores and of the address registers
-        # that two-element stores need, which spilled).
+        # dS^T: registers -> shared with stmatrix (four 8x8 tiles per
+        # instruction, few address registers).
         stsm_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
         )
         r2s_sdp = cute.make_tiled_copy_C(stsm_atom, mma_sdp)
         thr_r2s = r2s_sdp.get_slice(tidx)
-        tPsP = thr_r2s.partition_D(sP)
         tdSsdS = thr_r2s.partition_D(sdS)
         # dQ: registers -> the swizzled fp32 tile, two columns per store.
         r2s_dq = cute.make_tiled_copy_C(
@@ -502,22 +522,17 @@ class FlashBwdSm90:
         thr_r2s_dq = r2s_dq.get_slice(tidx)
         tdQsdQ = thr_r2s_dq.partition_D(sdQ)
 
-        tScS = _acc_mn(thr_sdp.partition_C(cute.make_identity_tensor((M, N))))
-        n_rows = cute.size(tScS, mode=[0])
+        # S^T and dP^T tiles: (key, query row) of every accumulator element.
+        tScS = wgmma_acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((N, M))))
+        n_keys = cute.size(tScS, mode=[0])
+        n_queries = cute.size(tScS, mode=[1])
         n0 = n_block * N
-        # Segment ids of this thread's S columns (fixed for the CTA) and rows;
-        # positions past the sequence read a clamped id and are masked anyway.
-        n_cols = cute.size(tScS, mode=[1])
-        row_seg = cute.make_rmem_tensor(n_rows, Int32)
-        col_seg = cute.make_rmem_tensor(n_cols, Int32)
-        # Nonzero when this thread's columns span several documents; a tile
-        # whose rows and columns (as this thread holds them) share one id
-        # needs no id comparisons.
-        seg_differs = Int32(0)
+        # Segment ids of this thread's keys (fixed for the CTA); positions
+        # past the sequence read a clamped id and are masked anyway.
+        key_seg = cute.make_rmem_tensor(n_keys, Int32)
         if cutlass.const_expr(self.has_segments):
-            for c in cutlass.range_constexpr(n_cols):
-                col_seg[c] = mKVSeg[batch, cutlass.min(n0 + tScS[0, c][1], seqlen_k - 1)]
-                seg_differs = seg_differs | (col_seg[c] ^ col_seg[0])
+            for r in cutlass.range_constexpr(n_keys):
+                key_seg[r] = mKVSeg[batch, cutlass.min(n0 + tScS[r, 0][0], seqlen_k - 1)]
 
         if n_iters > 0:
             cute.arch.mbarrier_wait(kv_bar, 0)
@@ -528,35 +543,30 @@ class FlashBwdSm90:
             s = state.index
 
             pipe.consumer_wait(state)
-            acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((M, N)), Float32)
-            acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((M, N)), Float32)
-            self._wgmma(mma_sdp, acc_S, tSrQ[None, None, None, s], tSrK[None, None, None, 0], True)
-            self._wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, s], tdPrV[None, None, None, 0], True)
+            acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((N, M)), Float32)
+            acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((N, M)), Float32)
+            self._wgmma(mma_sdp, acc_S, tSrK[None, None, None, 0], tSrQ[None, None, None, s], True)
+            self._wgmma(mma_sdp, acc_dP, tdPrV[None, None, None, 0], tdPrdO[None, None, None, s], True)
 
-            # Row statistics of this thread's rows. Rows past seqlen_q and
-            # rows that see no key (lse = -inf) get lse = +inf, so P = 0.
-            lse_log2 = cute.make_rmem_tensor(n_rows, Float32)
-            delta = cute.make_rmem_tensor(n_rows, Float32)
-            tile_differs = seg_differs
-            for r in cutlass.range_constexpr(n_rows):
-                row = m0 + tScS[r, 0][0]
-                if cutlass.const_expr(self.has_segments):
-                    row_seg[r] = mQSeg[batch, cutlass.min(row, seqlen_q - 1)]
-                    tile_differs = tile_differs | (row_seg[r] ^ col_seg[0])
-                lse_log2[r] = Float32.inf
-                delta[r] = Float32(0.0)
-                if row < seqlen_q:
-                    lse = mLSE[batch, head, row]
-                    delta[r] = mDelta[batch, head, row]
-                    if lse != -Float32.inf:
-                        lse_log2[r] = lse * LOG2E
+            # Statistics of the query rows, loaded while the GEMMs run. The
+            # columns of this thread repeat in every quad of its warp, so each
+            # lane loads the pair its quad index selects and the others come
+            # by shuffles (query_stat).
+            lse_q, delta_q = load_query_stats(mLSE, mDelta, batch, head, m0, lane, seqlen_q)
+            seg_pair = cute.make_rmem_tensor(2, Int32)
+            tile_differs = False
+            if cutlass.const_expr(self.has_segments):
+                for b in cutlass.range_constexpr(2):
+                    row = m0 + own_query_column(lane, b)
+                    seg_pair[b] = mQSeg[batch, cutlass.min(row, seqlen_q - 1)]
+                tile_differs = warp_sees_several_ids(key_seg, seg_pair)
 
             warpgroup.wait_group(1)
-            acc_S_mn = _acc_mn(acc_S)
-            for r in cutlass.range_constexpr(n_rows):
-                acc_S_mn[r, None].store(
-                    cute.math.exp2(acc_S_mn[r, None].load() * scale_log2 - lse_log2[r], fastmath=True)
-                )
+            acc_S_mn = wgmma_acc_as_rows_cols(acc_S)
+            for c in cutlass.range_constexpr(n_queries):
+                lse_log2 = query_stat(lse_q, c, lane)
+                for r in cutlass.range_constexpr(n_keys):
+                    acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse_log2, fastmath=True)
             full_tile = (
                 m0 + M <= q_len
                 and n0 + N <= kv_len
@@ -564,38 +574,41 @@ class FlashBwdSm90:
                 and (n0 + N - 1) - m0 <= hi
             )
             if cutlass.const_expr(self.has_segments):
-                if tile_differs != 0:
-                    zero_outside_key_window(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi,
-                                            row_seg, col_seg)
+                if tile_differs:
+                    zero_hidden_pairs(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi, key_seg, seg_pair, lane)
                 elif not full_tile:
-                    zero_outside_key_window(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi)
+                    zero_hidden_pairs(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi)
             elif not full_tile:
-                zero_outside_key_window(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi)
-            rP = cute.make_fragment_like(acc_S, self.dtype)
-            rP.store(acc_S.load().to(self.dtype))
-            cute.copy(r2s_sdp, thr_r2s.retile(rP), tPsP[None, None, None, s])
+                zero_hidden_pairs(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi)
+            # P^T stays in registers as the A operand of dV += P^T dO, which
+            # only needs this warpgroup's keys: no barrier before it.
+            rPt = cute.make_fragment_like(acc_S, self.dtype)
+            rPt.store(acc_S.load().to(self.dtype))
+            tdVrPt = cute.make_tensor(rPt.iterator, wgmma_acc_as_operand_a(rPt.layout))
+            self._wgmma(mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, s], False)
 
-            warpgroup.wait_group(0)
-            acc_dP_mn = _acc_mn(acc_dP)
-            for r in cutlass.range_constexpr(n_rows):
-                acc_dP_mn[r, None].store(acc_S_mn[r, None].load() * (acc_dP_mn[r, None].load() - delta[r]))
-            rdS = cute.make_fragment_like(acc_dP, self.dtype)
-            rdS.store(acc_dP.load().to(self.dtype))
-            cute.copy(r2s_sdp, thr_r2s.retile(rdS), tdSsdS[None, None, None, s])
+            warpgroup.wait_group(1)
+            acc_dP_mn = wgmma_acc_as_rows_cols(acc_dP)
+            for c in cutlass.range_constexpr(n_queries):
+                delta = query_stat(delta_q, c, lane)
+                for r in cutlass.range_constexpr(n_keys):
+                    acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - delta)
+            rdSt = cute.make_fragment_like(acc_dP, self.dtype)
+            rdSt.store(acc_dP.load().to(self.dtype))
+            cute.copy(r2s_sdp, thr_r2s.retile(rdSt), tdSsdS[None, None, None, s])
+            tdKrdSt = cute.make_tensor(rdSt.iterator, wgmma_acc_as_operand_a(rdSt.layout))
 
             # Generic-proxy stores must be visible to WGMMA (async proxy),
-            # and dQ reads the other WG's half of dS.
+            # and dQ reads the other WG's keys of dS.
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=NUM_MMA_THREADS)
-
             acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((M, D)), Float32)
             self._wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, s], tdQrKt[None, None, None, 0], True)
-            self._wgmma(mma_dkv, acc_dV, tdVrPt[None, None, None, s], tdVrdOt[None, None, None, s], False)
-            self._wgmma(mma_dkv, acc_dK, tdKrdSt[None, None, None, s], tdKrQt[None, None, None, s], False)
+            self._wgmma(mma_dkv, acc_dK, tdKrdSt, tdKrQt[None, None, None, s], False)
 
             # dQ goes to shared memory (for the writer warp's TMA add) while
-            # the dV/dK GEMMs are still in flight.
-            warpgroup.wait_group(2)
+            # the dK GEMM is still in flight.
+            warpgroup.wait_group(1)
             acc_dQ.store(acc_dQ.load() * scale)
             cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=DQ_BAR_THREADS)
             cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQsdQ)
@@ -635,16 +648,3 @@ def _transpose(t: cute.Tensor) -> cute.Tensor:
     """(rows, cols, stages) -> (cols, rows, stages) view of the same bytes."""
     shape = (t.shape[1], t.shape[0], t.shape[2])
     return cute.composition(t, cute.make_ordered_layout(shape, order=(1, 0, 2)))
-
-
-def _acc_mn(t: cute.Tensor) -> cute.Tensor:
-    """View a WGMMA accumulator ((2, 2, N/8), MMA_M, MMA_N) as (rows, cols)."""
-    sh, st = t.layout.shape, t.layout.stride
-    return cute.make_tensor(
-        t.iterator,
-        cute.make_layout(
-            ((sh[0][1], sh[1]), (sh[0][0], sh[0][2], sh[2])),
-            stride=((st[0][1], st[1]), (st[0][0], st[0][2], st[2])),
-        ),
-    )
-

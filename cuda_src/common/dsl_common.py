@@ -30,6 +30,30 @@ def m16n8_acc_as_rows_cols(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, rows_cols)
 
 
+
+def wgmma_acc_as_rows_cols(acc: cute.Tensor) -> cute.Tensor:
+    """View a WGMMA accumulator fragment ((2 cols, 2 rows, N/8), MMA_M,
+    MMA_N) as (rows, cols)."""
+    shape, stride = acc.layout.shape, acc.layout.stride
+    rows_cols = cute.make_layout(
+        ((shape[0][1], shape[1]), (shape[0][0], shape[0][2], shape[2])),
+        stride=((stride[0][1], stride[1]), (stride[0][0], stride[0][2], stride[2])),
+    )
+    return cute.make_tensor(acc.iterator, rows_cols)
+
+
+def wgmma_acc_as_operand_a(layout):
+    """((2, 2, N/8), 1, 1) accumulator layout -> ((2, 2, 2), 1, N/16) A
+    operand layout: two neighbouring 8-column groups form one k16 slice. For
+    16-bit types an m64nN accumulator holds, per thread, exactly the
+    elements of the m64kN A fragment, so a GEMM's result (converted) feeds
+    the next GEMM from registers without moving data between threads."""
+    shape, stride = layout.shape, layout.stride
+    return cute.make_layout(
+        ((shape[0][0], shape[0][1], 2), shape[1], shape[0][2] // 2),
+        stride=((stride[0][0], stride[0][1], stride[0][2]), stride[1], stride[0][2] * 2),
+    )
+
 @cute.jit
 def segment_bounds_union(
     mBounds: cute.Tensor,

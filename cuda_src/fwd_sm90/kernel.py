@@ -39,7 +39,12 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from common.dsl_common import cap_scores, logit_scales
+from common.dsl_common import (
+    cap_scores,
+    logit_scales,
+    wgmma_acc_as_operand_a,
+    wgmma_acc_as_rows_cols,
+)
 from segment_ids import load_tile_ids, warp_bounds_union, warp_tile_segment
 
 LN2 = math.log(2.0)
@@ -425,9 +430,9 @@ class FlashFwdSm90:
         # all staged control flow.
         tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
         acc_S_shape = thr_qk.partition_shape_C((WG_ROWS, tile_n))
-        acc_O_mn = self._mn_view(acc_O)
+        acc_O_mn = wgmma_acc_as_rows_cols(acc_O)
         # (row, col) of every S element inside its (64, tile_n) tile.
-        tScS = self._mn_view(thr_qk.partition_C(cute.make_identity_tensor((WG_ROWS, tile_n))))
+        tScS = wgmma_acc_as_rows_cols(thr_qk.partition_C(cute.make_identity_tensor((WG_ROWS, tile_n))))
         num_rows = cute.size(tScS, mode=[0])
         row_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         row_sum = cute.make_rmem_tensor(num_rows, cutlass.Float32)
@@ -443,7 +448,7 @@ class FlashFwdSm90:
         # P lives in one register fragment across iterations: written after
         # softmax(j), read by the PV GEMM issued in iteration j + 1.
         rP = cute.make_rmem_tensor(acc_S_shape, self.dtype)
-        tOrP = cute.make_tensor(rP.iterator, self._acc_as_operand_a(rP.layout))
+        tOrP = cute.make_tensor(rP.iterator, wgmma_acc_as_operand_a(rP.layout))
 
         # Tiles n in [full_lo, full_hi) are visible to every row of the CTA and
         # skip the mask; the others (kv_len edge, diagonal, window) apply it.
@@ -483,7 +488,7 @@ class FlashFwdSm90:
             warpgroup.wait_group(0)
             pipe_k.consumer_release(kv_state)
             cap_scores(acc_S, softcap_in)
-            acc_S_mn = self._mn_view(acc_S)
+            acc_S_mn = wgmma_acc_as_rows_cols(acc_S)
             self._mask_tile(acc_S_mn, tScS, row_start, n_block, full_lo, full_hi, q_len,
                             kv_len, diag_offset, window_left, window_right, row_seg,
                             tile_seg, mKVSeg, batch)
@@ -505,7 +510,7 @@ class FlashFwdSm90:
                 warpgroup.wait_group(1)
                 pipe_k.consumer_release(kv_state)
                 cap_scores(acc_S, softcap_in)
-                acc_S_mn = self._mn_view(acc_S)
+                acc_S_mn = wgmma_acc_as_rows_cols(acc_S)
                 self._mask_tile(acc_S_mn, tScS, row_start, n_block, full_lo, full_hi, q_len,
                                 kv_len, diag_offset, window_left, window_right, row_seg,
                                 tile_seg, mKVSeg, batch)
@@ -722,27 +727,3 @@ class FlashFwdSm90:
         """Reduce over the 4 lanes that share an accumulator row."""
         value = op(value, cute.arch.shuffle_sync_bfly(value, offset=2))
         return op(value, cute.arch.shuffle_sync_bfly(value, offset=1))
-
-    @staticmethod
-    def _mn_view(acc: cute.Tensor) -> cute.Tensor:
-        """View a WGMMA accumulator fragment ((2 cols, 2 rows, N/8), M, N) as
-        (rows, cols)."""
-        shape, stride = acc.layout.shape, acc.layout.stride
-        mn = cute.make_layout(
-            ((shape[0][1], shape[1]), (shape[0][0], shape[0][2], shape[2])),
-            stride=((stride[0][1], stride[1]), (stride[0][0], stride[0][2], stride[2])),
-        )
-        return cute.make_tensor(acc.iterator, mn)
-
-    @staticmethod
-    def _acc_as_operand_a(layout):
-        """((2, 2, N/8), 1, 1) accumulator -> ((2, 2, 2), 1, N/16) A operand:
-        two neighbouring 8-column groups form one k16 slice. For 16-bit types
-        the m64nN accumulator of S holds, per thread, exactly the elements of
-        the m64kN A fragment of P, so no data moves between threads."""
-        shape, stride = layout.shape, layout.stride
-        return cute.make_layout(
-            ((shape[0][0], shape[0][1], 2), shape[1], shape[0][2] // 2),
-            stride=((stride[0][0], stride[0][1], stride[0][2]), stride[1],
-                    stride[0][2] * 2),
-        )

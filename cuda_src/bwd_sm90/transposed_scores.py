@@ -1,0 +1,91 @@
+"""What the sm90 backward does with its transposed score tiles S^T and dP^T
+(keys as rows, query rows as columns): per-column query statistics, the
+visibility mask and the segment-id test.
+
+In a WGMMA accumulator lane l holds the columns 8 g + 2 (l % 4) + {0, 1} of
+every 8-column group g, and all lanes with the same l % 4 hold the same
+columns. A thread's 16 query rows would take 16 registers per statistic, so
+each lane loads only the two rows of group l // 4 (own_query_column) and
+serves them to the others by shuffles (query_stat). (Loading all 16 per
+thread spilled at head_dim 64.)
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+LOG2E = math.log2(math.e)
+
+
+@cute.jit
+def own_query_column(lane, b: cutlass.Constexpr):
+    """Column b of group lane // 4: a query row (within the tile) whose
+    statistics this lane loads and serves (module docstring)."""
+    return 8 * (lane // 4) + 2 * (lane % 4) + b
+
+
+@cute.jit
+def load_query_stats(mLSE, mDelta, batch, head, m0, lane, seqlen_q):
+    """(lse * log2 e, delta) of this lane's two own_query_column rows. Rows
+    past seqlen_q and rows that see no key (lse = -inf) get lse = +inf, so
+    that P = 0 there."""
+    lse_pair = cute.make_rmem_tensor(2, Float32)
+    delta_pair = cute.make_rmem_tensor(2, Float32)
+    for b in cutlass.range_constexpr(2):
+        row = m0 + own_query_column(lane, b)
+        lse_pair[b] = Float32.inf
+        delta_pair[b] = Float32(0.0)
+        if row < seqlen_q:
+            lse = mLSE[batch, head, row]
+            delta_pair[b] = mDelta[batch, head, row]
+            if lse != -Float32.inf:
+                lse_pair[b] = lse * LOG2E
+    return lse_pair, delta_pair
+
+
+@cute.jit
+def query_stat(pair, c: cutlass.Constexpr, lane):
+    """The value for column index c = 2 g + b of a thread's accumulator
+    (wgmma_acc_as_rows_cols order), shuffled from the lane that loaded
+    column group g."""
+    return cute.arch.shuffle_sync(pair[c % 2], 4 * (c // 2) + lane % 4)
+
+
+@cute.jit
+def warp_sees_several_ids(key_seg, seg_pair):
+    """Whether the keys and query rows this warp holds (key_seg per thread,
+    the query ids as the own_query_column pairs) carry more than one
+    segment id; the answer is warp-uniform."""
+    first = cute.arch.shuffle_sync(key_seg[0], 0)
+    differs = seg_pair[0] != first or seg_pair[1] != first
+    for r in cutlass.range_constexpr(cute.size(key_seg)):
+        differs = differs or key_seg[r] != first
+    return cute.arch.vote_any_sync(differs)
+
+
+@cute.jit
+def zero_hidden_pairs(acc_mn, tScS, m0, n0, q_len, kv_len, lo, hi, key_seg=None, seg_pair=None,
+                      lane=None):
+    """Zero the (key, query) accumulator entries of a pair that is not
+    visible: query i >= q_len, key j >= kv_len, j - i outside [lo, hi], or
+    (with key_seg and the query ids' seg_pair) different segment ids. P and
+    dS are computed from these, so a hidden pair must contribute exactly 0."""
+    for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+        query = m0 + tScS[0, c][1]
+        query_seg = Int32(0)
+        if cutlass.const_expr(key_seg is not None):
+            query_seg = query_stat(seg_pair, c, lane)
+        # Visible keys of this query as tile-local rows [key_lo, key_hi).
+        key_lo = query + lo - n0
+        key_hi = cutlass.min(kv_len, query + hi + 1) - n0
+        if query >= q_len:
+            key_hi = Int32(0)
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            key = tScS[r, c][0]
+            if cutlass.const_expr(key_seg is not None):
+                if key < key_lo or key >= key_hi or key_seg[r] != query_seg:
+                    acc_mn[r, c] = Float32(0.0)
+            elif key < key_lo or key >= key_hi:
+                acc_mn[r, c] = Float32(0.0)
