@@ -45,6 +45,7 @@ from common.dsl_common import (
     wgmma_acc_as_operand_a,
     wgmma_acc_as_rows_cols,
 )
+from online_softmax import online_softmax, quad_allreduce, rescale_rows
 from segment_ids import load_tile_ids, warp_bounds_union, warp_tile_segment
 
 LN2 = math.log(2.0)
@@ -58,11 +59,6 @@ TILE_M = WG_ROWS * NUM_CONSUMERS
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 SMEM_BUDGET = 227 * 1024
-# FA4's conditional rescaling: O and the row sum are only rescaled when the
-# running row max grows by more than this many powers of two; until then P is
-# computed against the stale max, so its entries stay <= 2^8 (exact in fp32,
-# no overflow in fp16/bf16) and the final 1/rowsum removes the offset.
-RESCALE_THRESHOLD_LOG2 = 8.0
 # Named barriers (0 is __syncthreads): two for the consumer pingpong, one per
 # consumer for its epilogue.
 BAR_PINGPONG = 1
@@ -492,7 +488,7 @@ class FlashFwdSm90:
             self._mask_tile(acc_S_mn, tScS, row_start, n_block, full_lo, full_hi, q_len,
                             kv_len, diag_offset, window_left, window_right, row_seg,
                             tile_seg, mKVSeg, batch)
-            self._softmax_stats(acc_S_mn, row_max, row_sum, scale_log2)
+            online_softmax(acc_S_mn, row_max, row_sum, scale_log2, self.conditional_rescale)
             rP.store(acc_S.load().to(self.dtype))
 
             for i in cutlass.range(1, num_n_blocks, unroll=1):
@@ -514,10 +510,10 @@ class FlashFwdSm90:
                 self._mask_tile(acc_S_mn, tScS, row_start, n_block, full_lo, full_hi, q_len,
                                 kv_len, diag_offset, window_left, window_right, row_seg,
                                 tile_seg, mKVSeg, batch)
-                factor = self._softmax_stats(acc_S_mn, row_max, row_sum, scale_log2)
+                factor = online_softmax(acc_S_mn, row_max, row_sum, scale_log2, self.conditional_rescale)
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(v_state)
-                self._rescale_o(acc_O_mn, factor)
+                rescale_rows(acc_O_mn, factor, self.conditional_rescale)
                 rP.store(acc_S.load().to(self.dtype))
 
             pipe_v.consumer_wait(kv_state)
@@ -625,62 +621,6 @@ class FlashFwdSm90:
                     acc_S_mn[r, c] = -cutlass.Float32.inf
 
     @cute.jit
-    def _softmax_stats(self, acc_S_mn, row_max, row_sum, scale_log2):
-        """Overwrite S with P = exp2(S * scale_log2 - m), update the running
-        max m and row sums, and return the factor by which O must be scaled
-        (exactly 1 for a row whose reference max did not move)."""
-        num_rows = cute.size(acc_S_mn, mode=[0])
-        factor = cute.make_rmem_tensor(num_rows, cutlass.Float32)
-        for r in cutlass.range_constexpr(num_rows):
-            tile_max = acc_S_mn[r, 0]
-            for c in cutlass.range_constexpr(1, cute.size(acc_S_mn, mode=[1])):
-                tile_max = cute.arch.fmax(tile_max, acc_S_mn[r, c])
-            tile_max = self._quad_allreduce(tile_max, cute.arch.fmax)
-            prev_max = row_max[r]
-            new_max = cute.arch.fmax(prev_max, tile_max)
-            if self.conditional_rescale:
-                # Keep the stale reference unless it fell too far behind. From
-                # -inf any finite max counts as growth; -inf to -inf does not.
-                if (new_max - prev_max) * scale_log2 <= RESCALE_THRESHOLD_LOG2:
-                    new_max = prev_max
-            # A row that has seen only masked keys keeps max -inf; subtracting
-            # 0 instead keeps every exp2 at exactly 0 rather than NaN.
-            max_scaled = (
-                cutlass.Float32(0.0)
-                if new_max == -cutlass.Float32.inf
-                else new_max * scale_log2
-            )
-            factor[r] = cute.math.exp2(prev_max * scale_log2 - max_scaled, fastmath=True)
-            row_max[r] = new_max
-            tile_sum = cutlass.Float32(0.0)
-            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                p = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - max_scaled, fastmath=True)
-                acc_S_mn[r, c] = p
-                tile_sum = tile_sum + p
-            row_sum[r] = row_sum[r] * factor[r] + tile_sum
-        return factor
-
-    @cute.jit
-    def _rescale_o(self, acc_O_mn, factor):
-        num_rows = cute.size(acc_O_mn, mode=[0])
-        if self.conditional_rescale:
-            # Skip the multiply when no row of the warp moved its reference
-            # (factor < 1 exactly then); the vote keeps the branch warp-uniform.
-            smallest = factor[0]
-            for r in cutlass.range_constexpr(1, num_rows):
-                smallest = cute.arch.fmin(smallest, factor[r])
-            if cute.arch.vote_any_sync(smallest < 1.0):
-                self._scale_rows(acc_O_mn, factor)
-        else:
-            self._scale_rows(acc_O_mn, factor)
-
-    @cute.jit
-    def _scale_rows(self, acc_mn, factor):
-        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                acc_mn[r, c] = acc_mn[r, c] * factor[r]
-
-    @cute.jit
     def _epilogue(
         self, tidx, wg, tOsO, acc_O, acc_O_mn, tScS, row_max, row_sum,
         scale_log2, sO, tma_o, mO, mLSE, head_q, batch, m_block, row_start, q_len,
@@ -689,7 +629,7 @@ class FlashFwdSm90:
         buffer with one TMA store (which clips rows past seqlen_q)."""
         seqlen_q = mO.shape[0]
         for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
-            total = self._quad_allreduce(row_sum[r], lambda a, b: a + b)
+            total = quad_allreduce(row_sum[r], lambda a, b: a + b)
             row = row_start + tScS[r, 0][0]
             seen = total > 0.0 and row < q_len
             inv = cute.arch.rcp_approx(total) if seen else cutlass.Float32(0.0)
@@ -721,9 +661,3 @@ class FlashFwdSm90:
             cute.copy(tma_o, tOsO_tma, tOgO)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @staticmethod
-    def _quad_allreduce(value, op):
-        """Reduce over the 4 lanes that share an accumulator row."""
-        value = op(value, cute.arch.shuffle_sync_bfly(value, offset=2))
-        return op(value, cute.arch.shuffle_sync_bfly(value, offset=1))

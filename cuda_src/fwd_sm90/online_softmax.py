@@ -1,0 +1,81 @@
+"""The forward's online softmax over one S tile held as (rows, cols)
+register fragments: running row max and row sum, P = exp2(S * scale_log2 -
+max), and the factor by which the output accumulator must be rescaled.
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+# FA4's conditional rescaling: O and the row sum are only rescaled when the
+# running row max grows by more than this many powers of two; until then P is
+# computed against the stale max, so its entries stay <= 2^8 (exact in fp32,
+# no overflow in fp16/bf16) and the final 1/rowsum removes the offset.
+RESCALE_THRESHOLD_LOG2 = 8.0
+
+
+@cute.jit
+def online_softmax(acc_S_mn, row_max, row_sum, scale_log2, conditional: cutlass.Constexpr):
+    """Overwrite S with P = exp2(S * scale_log2 - m), update the running
+    max m and row sums, and return the factor by which O must be scaled
+    (exactly 1 for a row whose reference max did not move)."""
+    num_rows = cute.size(acc_S_mn, mode=[0])
+    factor = cute.make_rmem_tensor(num_rows, cutlass.Float32)
+    for r in cutlass.range_constexpr(num_rows):
+        tile_max = acc_S_mn[r, 0]
+        for c in cutlass.range_constexpr(1, cute.size(acc_S_mn, mode=[1])):
+            tile_max = cute.arch.fmax(tile_max, acc_S_mn[r, c])
+        tile_max = quad_allreduce(tile_max, cute.arch.fmax)
+        prev_max = row_max[r]
+        new_max = cute.arch.fmax(prev_max, tile_max)
+        if cutlass.const_expr(conditional):
+            # Keep the stale reference unless it fell too far behind. From
+            # -inf any finite max counts as growth; -inf to -inf does not.
+            if (new_max - prev_max) * scale_log2 <= RESCALE_THRESHOLD_LOG2:
+                new_max = prev_max
+        # A row that has seen only masked keys keeps max -inf; subtracting
+        # 0 instead keeps every exp2 at exactly 0 rather than NaN.
+        max_scaled = (
+            cutlass.Float32(0.0)
+            if new_max == -cutlass.Float32.inf
+            else new_max * scale_log2
+        )
+        factor[r] = cute.math.exp2(prev_max * scale_log2 - max_scaled, fastmath=True)
+        row_max[r] = new_max
+        tile_sum = cutlass.Float32(0.0)
+        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+            p = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - max_scaled, fastmath=True)
+            acc_S_mn[r, c] = p
+            tile_sum = tile_sum + p
+        row_sum[r] = row_sum[r] * factor[r] + tile_sum
+    return factor
+
+
+@cute.jit
+def rescale_rows(acc_O_mn, factor, conditional: cutlass.Constexpr):
+    """O *= factor row by row (online_softmax's factor); with conditional
+    rescaling only where some row of the warp moved its reference."""
+    num_rows = cute.size(acc_O_mn, mode=[0])
+    if cutlass.const_expr(conditional):
+        # Skip the multiply when no row of the warp moved its reference
+        # (factor < 1 exactly then); the vote keeps the branch warp-uniform.
+        smallest = factor[0]
+        for r in cutlass.range_constexpr(1, num_rows):
+            smallest = cute.arch.fmin(smallest, factor[r])
+        if cute.arch.vote_any_sync(smallest < 1.0):
+            scale_rows(acc_O_mn, factor)
+    else:
+        scale_rows(acc_O_mn, factor)
+
+
+@cute.jit
+def scale_rows(acc_mn, factor):
+    """acc[r, :] *= factor[r]."""
+    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+            acc_mn[r, c] = acc_mn[r, c] * factor[r]
+
+
+def quad_allreduce(value, op):
+    """Reduce over the 4 lanes that share an accumulator row."""
+    value = op(value, cute.arch.shuffle_sync_bfly(value, offset=2))
+    return op(value, cute.arch.shuffle_sync_bfly(value, offset=1))
