@@ -108,10 +108,11 @@ class TileConfig:
 # 192 KiB, hd96 152 KiB, hd64 112 KiB.
 # Measured on H100 (bf16, batch 2, 16 heads, seq 8192, backward TFLOPS,
 # non-causal / causal, cuDNN in the same process; results runs 6 and 13):
-# earlier layout (S = Q K^T, P through shared memory, dQ by red.global):
-# hd128 371 / 358, hd64 264 / 237, hd96 198 / 185 (slower than the sm80
-# kernel, not built then). This layout: hd128 485 / 444 (cuDNN 539 / 469),
-# hd96 433 / 395 (cuDNN 423 / 393), hd64 345 / 322 (cuDNN 439 / 370).
+# the earlier layout (S = Q K^T, P through shared memory, dQ by red.global,
+# 168 registers) ran hd128 366 / 348, hd64 258 / 245 (run 6) and, in a
+# trial, hd96 198 / 185 (slower than the sm80 kernel, so not built then).
+# This layout: hd128 485 / 444 (cuDNN 539 / 469), hd96 433 / 395 (cuDNN
+# 423 / 393), hd64 345 / 322 (cuDNN 439 / 370).
 TILE_CONFIGS = {
     64: TileConfig(m_block=64, n_block=128, stages=2),
     96: TileConfig(m_block=64, n_block=128, stages=2),
