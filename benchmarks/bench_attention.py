@@ -62,12 +62,15 @@ def measured_line(config, name: str, result: dict, anchor: dict | None, ceiling:
           + "".join(cells) + f"{elapsed_s:>8.0f}s")
 
 
-def measurements(impls, deterministic: bool) -> list:
+def measurements(impls, deterministic: bool, label: str = "") -> list:
   """(impl, variant, jax_flash options) to time per configuration, cuDNN first
-  so that every line can print its ratio to it."""
-  plan = [(impl, "", {}) for impl in sorted(impls, key=lambda impl: impl != "cudnn")]
+  so that every line can print its ratio to it. ``label`` names the variant
+  of jax_flash's rows (a kernel alternative)."""
+  plan = [(impl, label if impl == "jax_flash" else "", {})
+          for impl in sorted(impls, key=lambda impl: impl != "cudnn")]
   if deterministic:
-    plan.append(("jax_flash", DETERMINISTIC, {"deterministic": True}))
+    plan.append(("jax_flash", "-".join(filter(None, (label, DETERMINISTIC))),
+                 {"deterministic": True}))
   return plan
 
 
@@ -86,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--deterministic", action="store_true",
                       help=f"also time jax_flash with deterministic=True (rows with variant "
                            f"{DETERMINISTIC!r})")
+  parser.add_argument("--variant", default="",
+                      help="variant of the jax_flash rows, e.g. the name of a kernel alternative "
+                           "loaded with JAX_FLASH_CUDA_LIBRARY (scripts/build_alternative.sh)")
   parser.add_argument("--out", type=pathlib.Path, help="JSON file to append rows to")
   parser.add_argument("--plot", type=pathlib.Path,
                       help="PNG of this run's TFLOPS against sequence length (needs matplotlib)")
@@ -121,7 +127,7 @@ def main(argv=None) -> int:
     print("--deterministic: jax_flash.attention has no `deterministic` keyword in this build; "
           "skipped")
     deterministic = False
-  plan = measurements(impls, deterministic)
+  plan = measurements(impls, deterministic, args.variant)
   configs = sweep_configs(args.head_dims, args.seqs, causal_values, args.tokens, args.heads,
                           args.dtype)
   print(f"{len(configs)} configurations x {len(plan)} implementations", flush=True)

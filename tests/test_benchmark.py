@@ -111,6 +111,12 @@ def test_measurements_put_cudnn_first_and_add_the_deterministic_variant():
   assert len(bench_attention.measurements(["cudnn"], deterministic=False)) == 1
 
 
+def test_measurements_label_only_the_jax_flash_rows():
+  plan = bench_attention.measurements(["jax_flash", "cudnn"], deterministic=True, label="fwd-n192")
+  assert [(impl, variant) for impl, variant, _ in plan] == [
+      ("cudnn", ""), ("jax_flash", "fwd-n192"), ("jax_flash", "fwd-n192-deterministic")]
+
+
 def test_measured_line_prints_ratios_and_dashes():
   config = benchmark.Config(2, 8192, 16, 128, False)
   anchor = fake_result(fwd_ms=2.0, bwd_ms=4.0)

@@ -47,7 +47,7 @@ def variant_name(arch: str, dtype_tag: str, head_dim: int, infix: str) -> str:
     return f"jf_{infix}_{_arch_tag(arch)}_{dtype_tag}_hd{head_dim}"
 
 
-def _compile_variant(dtype, head_dim, deterministic, has_segments):
+def _compile_variant(dtype, head_dim, deterministic, has_segments, tile=None):
     import cutlass
     import cutlass.cute as cute
     from kernel import FlashBwdSm90
@@ -68,7 +68,7 @@ def _compile_variant(dtype, head_dim, deterministic, has_segments):
     if has_segments:
         segments = (fake.segment_ids(fake.seqlen_q), fake.segment_ids(fake.seqlen_k),
                     fake.segment_bounds(fake.seqlen_k))
-    kernel = FlashBwdSm90(dtype, head_dim, deterministic, has_segments)
+    kernel = FlashBwdSm90(dtype, head_dim, deterministic, has_segments, tile)
     return cute.compile(
         kernel, q, k, v, do, lse, delta, q_lens, kv_lens, dq, dk, dv, fake.dq_semaphore(),
         # scale, softcap, key_lo, key_hi, deterministic
@@ -78,8 +78,15 @@ def _compile_variant(dtype, head_dim, deterministic, has_segments):
 
 
 def main(argv=None):
-    args = parse_export_args(__doc__, ARCHES, "comma-separated subset, e.g. bf16_128 (development aid)", argv)
+    args = parse_export_args(
+        __doc__, ARCHES, "comma-separated subset, e.g. bf16_128 (development aid)", argv,
+        extra=[("--tile", dict(default=None, help="M,N,STAGES instead of TILE_CONFIGS "
+                                                  "(timing alternatives; use with --only)"))],
+    )
     import cutlass
+    from kernel import TileConfig
+
+    tile = TileConfig(*map(int, args.tile.split(","))) if args.tile else None
 
     only = {s for s in args.only.split(",") if s}
     tag = _arch_tag(args.arch)
@@ -93,7 +100,7 @@ def main(argv=None):
                 name = variant_name(args.arch, dtype_tag, head_dim, infix)
                 dtype = getattr(cutlass, dtype_name)
                 variants.append((name, lambda d=dtype, h=head_dim, x=deterministic, g=has_segments:
-                                 _compile_variant(d, h, x, g)))
+                                 _compile_variant(d, h, x, g, tile)))
                 rows[infix].append(f"{tag}, {jf_dtype}, {head_dim}, {name}")
 
     names = export_variants(args.out, variants)

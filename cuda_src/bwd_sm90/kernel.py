@@ -130,9 +130,9 @@ class FlashBwdSm90:
 
     def __init__(
         self, dtype: Type[cutlass.Numeric], head_dim: int, deterministic: bool = False,
-        has_segments: bool = False,
+        has_segments: bool = False, tile: Optional[TileConfig] = None,
     ):
-        if not self.can_implement(dtype, head_dim):
+        if not self.can_implement(dtype, head_dim, tile):
             raise NotImplementedError(f"no sm90 backward for dtype={dtype}, head_dim={head_dim}")
         if deterministic and has_segments:
             # The deterministic order needs the geometric query-tile ranges
@@ -142,20 +142,24 @@ class FlashBwdSm90:
         self.head_dim = head_dim
         self.deterministic = deterministic
         self.has_segments = has_segments
-        cfg = TILE_CONFIGS[head_dim]
+        cfg = tile or TILE_CONFIGS[head_dim]
         self.m_block = cfg.m_block
         self.n_block = cfg.n_block
         self.stages = cfg.stages
 
     @staticmethod
-    def can_implement(dtype, head_dim) -> bool:
-        if dtype not in (cutlass.Float16, cutlass.BFloat16) or head_dim not in TILE_CONFIGS:
+    def can_implement(dtype, head_dim, tile: Optional[TileConfig] = None) -> bool:
+        """tile: an alternative to the head dim's TILE_CONFIGS entry (for
+        timing tile choices; any head dim then)."""
+        if dtype not in (cutlass.Float16, cutlass.BFloat16):
             return False
-        return FlashBwdSm90.smem_bytes(head_dim) <= SMEM_CAPACITY_SM90
+        if tile is None and head_dim not in TILE_CONFIGS:
+            return False
+        return FlashBwdSm90.smem_bytes(head_dim, tile) <= SMEM_CAPACITY_SM90
 
     @staticmethod
-    def smem_bytes(head_dim: int) -> int:
-        cfg = TILE_CONFIGS[head_dim]
+    def smem_bytes(head_dim: int, tile: Optional[TileConfig] = None) -> int:
+        cfg = tile or TILE_CONFIGS[head_dim]
         q_do = 2 * cfg.stages * cfg.m_block * head_dim * 2
         k_v = 2 * cfg.n_block * head_dim * 2
         ds = cfg.stages * cfg.m_block * cfg.n_block * 2

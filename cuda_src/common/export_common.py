@@ -18,11 +18,15 @@ VECTOR_ALIGN = 16  # the kernels move 16 bytes per cp.async / vector store
 SCALAR_ALIGN = 4
 
 
-def parse_export_args(doc: str, arches: Sequence[str], only_help: str, argv=None) -> argparse.Namespace:
+def parse_export_args(doc: str, arches: Sequence[str], only_help: str, argv=None,
+                      extra=()) -> argparse.Namespace:
+    """extra: (flag, add_argument keywords) pairs of family-specific flags."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", required=True, choices=arches)
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--only", default="", help=only_help)
+    for flag, options in extra:
+        parser.add_argument(flag, **options)
     args = parser.parse_args(argv)
     # The DSL picks its target when cutlass is first imported; on a machine
     # without a GPU it would otherwise default to sm_100a.

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Builds a copy of libjax_flash_cuda.so in which some kernels of one family
+# are exported with other flags (a tile alternative), so that a GPU machine
+# can time it against the shipped build in the same session:
+#
+#   bash scripts/build_alternative.sh NAME FAMILY "EXPORT ARGS" ["EXPORT ARGS"...]
+#   bash scripts/build_alternative.sh fwd-n192 fwd_sm90 \
+#       "--only jf_fwd90_sm_90a_bf16_hd64 --tile-n 192 --stages 4"
+#
+# Each quoted group is one run of cuda_src/FAMILY/export.py; the objects it
+# writes replace those of the same name in the local build's family archive
+# (needs the local build: pip install -e .), and the library is relinked with
+# the main build's link command into .gpu/alt/NAME.so (git-ignored). The
+# ptxas line of every re-exported kernel is printed. On the GPU machine:
+#
+#   JAX_FLASH_CUDA_LIBRARY=.gpu/alt/NAME.so python benchmarks/bench_attention.py --variant NAME ...
+set -euo pipefail
+NAME=${1:?usage: build_alternative.sh NAME FAMILY "EXPORT ARGS"...}
+FAMILY=${2:?family, e.g. fwd_sm90}
+shift 2
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BUILD=$(ls -d "$ROOT"/build/*/ | head -1)
+ARCH=sm_90a
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+cp -r "$BUILD/aot/${FAMILY}_${ARCH}" "$WORK/objects"
+for args in "$@"; do
+  mkdir -p "$WORK/export"
+  # shellcheck disable=SC2086  # the group is split into export.py's arguments
+  CUTE_DSL_ARCH=$ARCH CUTE_DSL_COMPILER_OPT="remarks{ptx}" python3 \
+      "$ROOT/cuda_src/$FAMILY/export.py" --arch $ARCH --out "$WORK/export" $args \
+      >"$WORK/export.log" 2>&1 || { tail -30 "$WORK/export.log"; exit 1; }
+  python3 - "$WORK/export.log" <<'PY'
+import pathlib, sys
+sys.path.insert(0, "cuda_src")
+from export_kernels import ANSI_ESCAPE, ptxas_summary
+for name, registers, spilled, advisories in ptxas_summary(ANSI_ESCAPE.sub("", pathlib.Path(sys.argv[1]).read_text())):
+  print(f"{name}: {registers} registers, {spilled} bytes spilled {'; '.join(advisories)}")
+PY
+  cp "$WORK"/export/jf_*.o "$WORK/objects/"
+  rm -rf "$WORK/export"
+done
+ar rcs "$WORK/lib${FAMILY}_${ARCH}.a" "$WORK"/objects/*.o
+mkdir -p "$ROOT/.gpu/alt"
+link=$(cd "$BUILD" && ninja -t commands libjax_flash_cuda.so | tail -1)
+link=${link//"aot/lib${FAMILY}_${ARCH}.a"/"$WORK/lib${FAMILY}_${ARCH}.a"}
+link=${link//"-o libjax_flash_cuda.so"/"-o $ROOT/.gpu/alt/$NAME.so"}
+(cd "$BUILD" && eval "$link")
+echo "wrote .gpu/alt/$NAME.so"
