@@ -37,12 +37,7 @@ ADVISORY = re.compile(r"Potential Performance Loss: (.*?)(?=ptxas|\Z)", re.S)
 
 # Advisories seen and not yet fixed, by kernel: reported, not fatal. Any other
 # advisory fails the build.
-KNOWN_ADVISORIES = {
-    # The packed-document forward at head_dim 192: the divergent branches of
-    # its segment-id mask sit between WGMMAs and ptxas serialises them.
-    "jf_fwdseg90_sm_90a_bf16_hd192": "wgmma.mma_async instructions are serialized due to "
-                                     "program dependence on compiler-inserted WG.AR in divergent path",
-}
+KNOWN_ADVISORIES = {}
 
 
 def ptxas_summary(log: str):

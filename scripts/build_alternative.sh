@@ -19,6 +19,9 @@ NAME=${1:?usage: build_alternative.sh NAME FAMILY "EXPORT ARGS"...}
 FAMILY=${2:?family, e.g. fwd_sm90}
 shift 2
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# SOURCE: another checkout's cuda_src (e.g. a git worktree of the last
+# commit) to export from; the build and the output stay in this checkout.
+SOURCE=${SOURCE:-$ROOT/cuda_src}
 BUILD=$(ls -d "$ROOT"/build/*/ | head -1)
 ARCH=sm_90a
 WORK=$(mktemp -d)
@@ -28,11 +31,11 @@ for args in "$@"; do
   mkdir -p "$WORK/export"
   # shellcheck disable=SC2086  # the group is split into export.py's arguments
   CUTE_DSL_ARCH=$ARCH CUTE_DSL_COMPILER_OPT="remarks{ptx}" python3 \
-      "$ROOT/cuda_src/$FAMILY/export.py" --arch $ARCH --out "$WORK/export" $args \
+      "$SOURCE/$FAMILY/export.py" --arch $ARCH --out "$WORK/export" $args \
       >"$WORK/export.log" 2>&1 || { tail -30 "$WORK/export.log"; exit 1; }
-  python3 - "$WORK/export.log" <<'PY'
+  python3 - "$WORK/export.log" "$ROOT/cuda_src" <<'PY'
 import pathlib, sys
-sys.path.insert(0, "cuda_src")
+sys.path.insert(0, sys.argv[2])
 from export_kernels import ANSI_ESCAPE, ptxas_summary
 for name, registers, spilled, advisories in ptxas_summary(ANSI_ESCAPE.sub("", pathlib.Path(sys.argv[1]).read_text())):
   print(f"{name}: {registers} registers, {spilled} bytes spilled {'; '.join(advisories)}")

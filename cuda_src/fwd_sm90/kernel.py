@@ -7,9 +7,10 @@ into multi-stage shared buffers guarded by mbarrier pipelines. Warpgroups 1
 and 2 are consumers; each owns 64 query rows, computes S = Q K^T and O += P V
 with asynchronous WGMMA, and keeps P in registers as the A operand of the PV
 GEMM. Within a consumer the softmax of tile j runs while the tensor cores
-work on P(j-1) V(j-1) (intra-warpgroup overlap); optionally two named
-barriers make the consumers take turns issuing GEMMs so that one warpgroup's
-softmax hides under the other's MMAs (pingpong).
+work on P(j-1) V(j-1) (intra-warpgroup overlap), and O is rescaled for tile
+j while S(j+1) is computed; optionally two named barriers make the consumers
+take turns issuing GEMMs so that one warpgroup's softmax hides under the
+other's MMAs (pingpong).
 
 KV tiles are walked from the last visible one down to the first; tiles the
 mask excludes are never loaded, and only tiles that straddle a mask edge pay
@@ -65,23 +66,26 @@ BAR_PINGPONG = 1
 BAR_EPILOGUE = 3
 
 # head_dim -> (tile_n, kv_stages). Consumers hold S (tile_n / 2 fp32), P
-# (tile_n / 4 packed regs) and O (head_dim / 2 fp32) per thread; with 240
-# registers that allows tile_n 128 up to head_dim 128 and 64 beyond. Shared
-# memory: Q (128 x hd) + stages x (K + V) (tile_n x hd each) must fit 227 KiB.
-# Chosen by the budgets, checked with ptxas -v: 168 launch registers and no
-# spills for every entry, while hd128 with tile_n 176 spills 208 bytes and
-# hd192 (K = 6 k-slices in the PV GEMM) gets compiler-inserted
-# warpgroup.arrive waits. No alternative has been timed yet. Measured with
-# these entries (H100, bf16, seq 8192, 16 heads, TFLOPS non-causal / causal,
-# cuDNN in the same process; results run 6): hd64 421-423 / 386 (cuDNN
-# 453-455 / 407-411), hd128 562-579 / 523-525 (602-612 / 532-533), hd256
-# 631 / 600 (660 / 591).
+# (tile_n / 4 packed regs) and O (head_dim / 2 fp32) per thread within 240
+# registers; Q (128 x hd) + stages x (K + V) (tile_n x hd each) must fit
+# 227 KiB of shared memory. Every entry compiles without spills (ptxas -v);
+# hd128 at tile_n 176 spills and hd96 at 192 spills 12 bytes.
+# Timed on H100 (bf16, batch 2, 16 heads, seq 8192, forward TFLOPS
+# non-causal / causal, scripts/gpu_alternatives.sh, results run 14; cuDNN
+# in the same process moves by about 2% between runs):
+#   hd64:  128 x 4 stages 410-414 / 379-382; 192 x 4: 395 / 358; 176 x 4:
+#          405 / 362.
+#   hd96:  128 x 3 509-513 / 466-476; 160 x 2: 469 / 435; 128 x 4: 502 / 460.
+#   hd128: 128 x 2 565-572 / 526-529; 160 x 2: 546 / 497; 144 x 2: 535 / 486.
+#   hd256: 64 x 2 625-639 / 591-592; 80 x 2: 669 / 607 (chosen).
+# With the anchored PV wait (see _consume), run 15: hd64 385-440 / 399-401,
+# hd96 530-533 / 486-504, hd128 594-603 / 546-547, hd256 687-689 / 619-626.
 TILE_CONFIG = {
     64: (128, 4),
     96: (128, 3),
     128: (128, 2),
     192: (96, 2),
-    256: (64, 2),
+    256: (80, 2),
 }
 
 
@@ -434,6 +438,9 @@ class FlashFwdSm90:
         row_sum = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         row_max.fill(-cutlass.Float32.inf)
         row_sum.fill(0.0)
+        # What O must be scaled by before the next PV GEMM: the online softmax
+        # of tile j sets it, iteration j + 1 applies it (while its S GEMM runs).
+        factor = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         row_seg = None
         if cutlass.const_expr(self.has_segments):
             # Rows past seqlen_q read a clamped id; the q_len mask hides them.
@@ -488,7 +495,7 @@ class FlashFwdSm90:
             self._mask_tile(acc_S_mn, tScS, row_start, n_block, full_lo, full_hi, q_len,
                             kv_len, diag_offset, window_left, window_right, row_seg,
                             tile_seg, mKVSeg, batch)
-            online_softmax(acc_S_mn, row_max, row_sum, scale_log2, self.conditional_rescale)
+            online_softmax(acc_S_mn, row_max, row_sum, factor, scale_log2, self.conditional_rescale)
             rP.store(acc_S.load().to(self.dtype))
 
             for i in cutlass.range(1, num_n_blocks, unroll=1):
@@ -498,24 +505,31 @@ class FlashFwdSm90:
                 pipe_k.consumer_wait(kv_state)
                 self._turn_wait(wg)
                 acc_S = self._gemm_qk(tiled_mma_qk, acc_S_shape, tSrQ, tSrK, kv_state.index)
+                rescale_rows(acc_O_mn, factor, self.conditional_rescale)
                 pipe_v.consumer_wait(v_state)
                 self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)
                 self._turn_pass(wg)
                 # Issued while the GEMMs run, so that their latency hides.
                 tile_seg = self._tile_segment(mKVSeg, batch, n_block * tile_n)
                 warpgroup.wait_group(1)
-                pipe_k.consumer_release(kv_state)
                 cap_scores(acc_S, softcap_in)
                 acc_S_mn = wgmma_acc_as_rows_cols(acc_S)
                 self._mask_tile(acc_S_mn, tScS, row_start, n_block, full_lo, full_hi, q_len,
                                 kv_len, diag_offset, window_left, window_right, row_seg,
                                 tile_seg, mKVSeg, batch)
-                factor = online_softmax(acc_S_mn, row_max, row_sum, scale_log2, self.conditional_rescale)
+                online_softmax(acc_S_mn, row_max, row_sum, factor, scale_log2, self.conditional_rescale)
+                # ptxas schedules the wait for the PV GEMM as early as its
+                # dependencies allow, i.e. above the softmax, which then no
+                # longer overlaps that GEMM. A memory operation that depends on
+                # the softmax anchors it: K is released under a predicate on
+                # the row sums (never false: they are >= 0, or NaN).
+                if row_sum[0] + row_sum[num_rows - 1] != -1.0:
+                    pipe_k.consumer_release(kv_state)
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(v_state)
-                rescale_rows(acc_O_mn, factor, self.conditional_rescale)
                 rP.store(acc_S.load().to(self.dtype))
 
+            rescale_rows(acc_O_mn, factor, self.conditional_rescale)
             pipe_v.consumer_wait(kv_state)
             self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, kv_state.index)
             warpgroup.wait_group(0)

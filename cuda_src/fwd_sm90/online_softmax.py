@@ -14,12 +14,11 @@ RESCALE_THRESHOLD_LOG2 = 8.0
 
 
 @cute.jit
-def online_softmax(acc_S_mn, row_max, row_sum, scale_log2, conditional: cutlass.Constexpr):
+def online_softmax(acc_S_mn, row_max, row_sum, factor, scale_log2, conditional: cutlass.Constexpr):
     """Overwrite S with P = exp2(S * scale_log2 - m), update the running
-    max m and row sums, and return the factor by which O must be scaled
-    (exactly 1 for a row whose reference max did not move)."""
+    max m and row sums, and set factor to what O must be scaled by (exactly
+    1 for a row whose reference max did not move)."""
     num_rows = cute.size(acc_S_mn, mode=[0])
-    factor = cute.make_rmem_tensor(num_rows, cutlass.Float32)
     for r in cutlass.range_constexpr(num_rows):
         tile_max = acc_S_mn[r, 0]
         for c in cutlass.range_constexpr(1, cute.size(acc_S_mn, mode=[1])):
@@ -47,7 +46,6 @@ def online_softmax(acc_S_mn, row_max, row_sum, scale_log2, conditional: cutlass.
             acc_S_mn[r, c] = p
             tile_sum = tile_sum + p
         row_sum[r] = row_sum[r] * factor[r] + tile_sum
-    return factor
 
 
 @cute.jit

@@ -65,11 +65,11 @@ def warp_tile_segment(mSeg: cute.Tensor, batch, start, extent: cutlass.Constexpr
     read consecutive columns (coalesced) and vote, so every lane of the warp
     gets the same answer: a tile inside one document then costs a few loads
     instead of an id comparison per score."""
-    assert extent % WARP_SIZE == 0
-    last = mSeg.shape[1] - 1
+    last = cutlass.min(start + extent, mSeg.shape[1]) - 1
     lane = cute.arch.lane_idx()
     tile_id = mSeg[batch, cutlass.min(start, last)]
     differs = cutlass.Int32(0)
-    for i in cutlass.range_constexpr(extent // WARP_SIZE):
+    # A last, partial pass re-reads the final column in its spare lanes.
+    for i in cutlass.range_constexpr((extent + WARP_SIZE - 1) // WARP_SIZE):
         differs = differs | (mSeg[batch, cutlass.min(start + i * WARP_SIZE + lane, last)] ^ tile_id)
     return tile_id, cute.arch.vote_all_sync(differs == 0)
