@@ -52,6 +52,7 @@ def _parse_args():
     parser.add_argument("--no-pingpong", action="store_true")
     parser.add_argument("--tile-n", type=int, default=None)
     parser.add_argument("--stages", type=int, default=None)
+    parser.add_argument("--consumers", type=int, default=None, help="consumer warpgroups (64 rows each)")
     args = parser.parse_args()
     # The DSL picks its target when cutlass is first imported; on a machine
     # without a GPU it would otherwise default to sm_100a.
@@ -94,7 +95,7 @@ def main():
             conditional_rescale=not args.no_conditional_rescale,
             pingpong=not args.no_pingpong,
             tile_n=args.tile_n, kv_stages=args.stages,
-            has_segments=has_segments,
+            has_segments=has_segments, consumers=args.consumers,
         )
         entry = kernel.call_with_segments if has_segments else kernel
         return lambda: cute.compile(entry, *_fake_args(dtype, head_dim, has_segments))

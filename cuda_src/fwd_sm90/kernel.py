@@ -1,16 +1,17 @@
 """FlashAttention forward kernel for Hopper (sm_90a) written in the CuTe DSL.
 
-One CTA computes one (128-row query tile, query head, batch) triple with three
-warpgroups. Warpgroup 0 is the producer: after giving most of its registers
-away (setmaxnreg) one of its warps streams Q once and then K/V tiles with TMA
-into multi-stage shared buffers guarded by mbarrier pipelines. Warpgroups 1
-and 2 are consumers; each owns 64 query rows, computes S = Q K^T and O += P V
-with asynchronous WGMMA, and keeps P in registers as the A operand of the PV
-GEMM. Within a consumer the softmax of tile j runs while the tensor cores
-work on P(j-1) V(j-1) (intra-warpgroup overlap), and O is rescaled for tile
-j while S(j+1) is computed; optionally two named barriers make the consumers
-take turns issuing GEMMs so that one warpgroup's softmax hides under the
-other's MMAs (pingpong).
+One CTA computes one (query tile, query head, batch) triple with a producer
+warpgroup and two or three consumer warpgroups (TILE_CONFIG), 64 query rows
+each. Warpgroup 0 is the producer: after giving most of its registers away
+(setmaxnreg) one of its warps streams Q once and then K/V tiles with TMA
+into multi-stage shared buffers guarded by mbarrier pipelines. Each consumer
+computes S = Q K^T and O += P V for its rows with asynchronous WGMMA and
+keeps P in registers as the A operand of the PV GEMM. Within a consumer the
+softmax of tile j runs while the tensor cores work on P(j-1) V(j-1)
+(intra-warpgroup overlap), and O is rescaled for tile j while S(j+1) is
+computed; optionally a ring of named barriers makes the consumers take turns
+issuing GEMMs so that one warpgroup's softmax hides under the others' MMAs
+(pingpong).
 
 KV tiles are walked from the last visible one down to the first; tiles the
 mask excludes are never loaded, and only tiles that straddle a mask edge pay
@@ -52,18 +53,16 @@ from segment_ids import load_tile_ids, warp_bounds_union, warp_tile_segment
 LN2 = math.log(2.0)
 WG_THREADS = 128  # one warpgroup
 WG_ROWS = 64  # rows of one WGMMA accumulator (m64nNk16)
-NUM_CONSUMERS = 2
-TILE_M = WG_ROWS * NUM_CONSUMERS
-# setmaxnreg only moves registers inside the CTA's launch allocation, which
-# ptxas caps at 168 per thread for 384 threads: 128 * 24 + 256 * 240 ==
-# 168 * 384. Asking for more makes the consumers' increase wait forever.
+# setmaxnreg only moves registers inside the CTA's launch allocation (64K
+# registers shared by all threads): with 2 consumer warpgroups 128 * 24 +
+# 256 * 240 == 168 * 384, with 3 128 * 24 + 384 * 160 <= 128 * 512 (see
+# consumer_registers). Asking for more makes the consumers' increase wait
+# forever.
 PRODUCER_REGS = 24
-CONSUMER_REGS = 240
 SMEM_BUDGET = 227 * 1024
-# Named barriers (0 is __syncthreads): two for the consumer pingpong, one per
-# consumer for its epilogue.
+# Named barriers (0 is __syncthreads): one per consumer for the pingpong,
+# then one per consumer for its epilogue.
 BAR_PINGPONG = 1
-BAR_EPILOGUE = 3
 
 # head_dim -> (tile_n, kv_stages). Consumers hold S (tile_n / 2 fp32), P
 # (tile_n / 4 packed regs) and O (head_dim / 2 fp32) per thread within 240
@@ -80,12 +79,17 @@ BAR_EPILOGUE = 3
 #   hd256: 64 x 2 625-639 / 591-592; 80 x 2: 669 / 607 (chosen).
 # With the anchored PV wait (see _consume), run 15: hd64 385-440 / 399-401,
 # hd96 530-533 / 486-504, hd128 594-603 / 546-547, hd256 687-689 / 619-626.
+# Three consumer warpgroups (192-row tiles, 160 registers each) at hd64,
+# run 17: 498 / 431 against 429-443 / 396-399 with two (cuDNN 456 / 406);
+# not the default until the full GPU suite and the sanitizers have run on
+# it (34 of 39 hd64 tests passed before that session's GPU time ran out).
+# head_dim -> (tile_n, kv_stages, consumer warpgroups)
 TILE_CONFIG = {
-    64: (128, 4),
-    96: (128, 3),
-    128: (128, 2),
-    192: (96, 2),
-    256: (80, 2),
+    64: (128, 4, 2),
+    96: (128, 3, 2),
+    128: (128, 2, 2),
+    192: (96, 2, 2),
+    256: (80, 2, 2),
 }
 
 
@@ -101,6 +105,7 @@ class FlashFwdSm90:
         tile_n: int = None,
         kv_stages: int = None,
         has_segments: bool = False,
+        consumers: int = None,
     ):
         if not self.can_implement(dtype, head_dim):
             raise ValueError(
@@ -109,19 +114,30 @@ class FlashFwdSm90:
             )
         self.dtype = dtype
         self.head_dim = head_dim
-        default_n, default_stages = TILE_CONFIG[head_dim]
+        default_n, default_stages, default_consumers = TILE_CONFIG[head_dim]
         self.tile_n = tile_n or default_n
         self.kv_stages = kv_stages or default_stages
         self.conditional_rescale = conditional_rescale
         self.pingpong = pingpong
         self.has_segments = has_segments
+        # The packed-document variants keep two consumers: at three their
+        # 160 registers spill (348 bytes at hd64).
+        self.consumers = consumers or (2 if has_segments else default_consumers)
+        self.tile_m = WG_ROWS * self.consumers
+        self.bar_epilogue = BAR_PINGPONG + self.consumers
         elem = dtype.width // 8
-        smem = (TILE_M + 2 * self.kv_stages * self.tile_n) * head_dim * elem + 1024
+        smem = (self.tile_m + 2 * self.kv_stages * self.tile_n) * head_dim * elem + 1024
         if smem > SMEM_BUDGET:
             raise ValueError(
                 f"FlashFwdSm90: tile_n={self.tile_n} x {self.kv_stages} stages needs "
                 f"{smem} bytes of shared memory, more than {SMEM_BUDGET}"
             )
+
+    def consumer_registers(self) -> int:
+        """The consumers' setmaxnreg share of 64K registers (multiple of 8)."""
+        per_thread = 65536 // (WG_THREADS * (1 + self.consumers))
+        spare = per_thread * (1 + self.consumers) - PRODUCER_REGS
+        return min(240, spare // self.consumers // 8 * 8)
 
     @staticmethod
     def can_implement(dtype: Type[cutlass.Numeric], head_dim: int) -> bool:
@@ -192,7 +208,7 @@ class FlashFwdSm90:
         )
         # One Q (and later O) stage per consumer warpgroup.
         sQ_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.ROW_MAJOR, (WG_ROWS, tile_n, hd), self.dtype, NUM_CONSUMERS
+            LayoutEnum.ROW_MAJOR, (WG_ROWS, tile_n, hd), self.dtype, self.consumers
         )
         sK_layout = sm90_utils.make_smem_layout_b(
             LayoutEnum.ROW_MAJOR, (WG_ROWS, tile_n, hd), self.dtype, self.kv_stages
@@ -226,11 +242,11 @@ class FlashFwdSm90:
                 cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024
             ]
 
-        self.q_bytes = cute.size_in_bytes(self.dtype, sQ_stage) * NUM_CONSUMERS
+        self.q_bytes = cute.size_in_bytes(self.dtype, sQ_stage) * self.consumers
         self.k_bytes = cute.size_in_bytes(self.dtype, sK_stage)
         self.v_bytes = cute.size_in_bytes(self.dtype, sV_stage)
         grid = (
-            cute.ceil_div(mQ.shape[1], TILE_M),
+            cute.ceil_div(mQ.shape[1], self.tile_m),
             cute.size(mQ.shape[2]),
             cute.size(mQ.shape[0]),
         )
@@ -243,7 +259,7 @@ class FlashFwdSm90:
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(
             grid=grid,
-            block=[WG_THREADS * (1 + NUM_CONSUMERS), 1, 1],
+            block=[WG_THREADS * (1 + self.consumers), 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
         )
@@ -286,14 +302,14 @@ class FlashFwdSm90:
         seqlen_k = mK.shape[0]
         # Largest query tiles first: under a causal mask they carry the most
         # KV tiles, and starting them early shortens the tail of the grid.
-        m_block = cute.ceil_div(seqlen_q, TILE_M) - 1 - m_block_rev
+        m_block = cute.ceil_div(seqlen_q, self.tile_m) - 1 - m_block_rev
         head_kv = head_q // (mQ.shape[2] // mK.shape[2])
-        m_start = m_block * TILE_M
+        m_start = m_block * self.tile_m
         q_len = cutlass.max(cutlass.min(mQLens[batch], seqlen_q), 0)
         kv_len = cutlass.max(cutlass.min(mKVLens[batch], seqlen_k), 0)
 
         # ---- KV tile range of the whole CTA ---------------------------------
-        last_row = cutlass.min(m_start + TILE_M, q_len) - 1
+        last_row = cutlass.min(m_start + self.tile_m, q_len) - 1
         col_begin = cutlass.Int32(0)
         if window_left >= 0:
             col_begin = cutlass.max(m_start + diag_offset - window_left, 0)
@@ -301,7 +317,7 @@ class FlashFwdSm90:
         if window_right >= 0:
             col_end = cutlass.min(last_row + diag_offset + window_right + 1, kv_len)
         if cutlass.const_expr(self.has_segments):
-            seg_begin, seg_end = warp_bounds_union(mKVBounds, batch, m_start, last_row, TILE_M)
+            seg_begin, seg_end = warp_bounds_union(mKVBounds, batch, m_start, last_row, self.tile_m)
             col_begin = cutlass.max(col_begin, seg_begin)
             col_end = cutlass.min(col_end, seg_end)
         n_block_min = col_begin // tile_n
@@ -317,7 +333,7 @@ class FlashFwdSm90:
 
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # Consumers release a stage with one arrive per warp.
-        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * NUM_CONSUMERS)
+        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.consumers)
         pipe_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
             producer_group=producer_group, consumer_group=consumer_group,
@@ -345,7 +361,7 @@ class FlashFwdSm90:
                     head_q, head_kv, batch, m_block, n_block_max, num_n_blocks,
                 )
         else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(self.consumer_registers())
             scale_log2, softcap_in = logit_scales(scale, softcap)
             self._consume(
                 tidx % WG_THREADS, wg_idx - 1, tma_o, mO, mLSE, sQ, sK, sV,
@@ -387,8 +403,8 @@ class FlashFwdSm90:
             cute.copy(tma_k, tKgK[None, n_block], tKsK[None, kv_state.index],
                       tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
             pipe_q.producer_acquire(q_state)
-            for w in cutlass.range_constexpr(NUM_CONSUMERS):
-                cute.copy(tma_q, tQgQ[None, m_block * NUM_CONSUMERS + w], tQsQ[None, w],
+            for w in cutlass.range_constexpr(self.consumers):
+                cute.copy(tma_q, tQgQ[None, m_block * self.consumers + w], tQsQ[None, w],
                           tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             pipe_v.producer_acquire(kv_state)
             cute.copy(tma_v, tVgV[None, n_block], tVsV[None, kv_state.index],
@@ -414,7 +430,7 @@ class FlashFwdSm90:
         mQSeg, mKVSeg,
     ):
         hd, tile_n = self.head_dim, self.tile_n
-        row_start = m_block * TILE_M + wg * WG_ROWS
+        row_start = m_block * self.tile_m + wg * WG_ROWS
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
         sQ_wg = sQ[None, None, wg]
@@ -455,7 +471,7 @@ class FlashFwdSm90:
 
         # Tiles n in [full_lo, full_hi) are visible to every row of the CTA and
         # skip the mask; the others (kv_len edge, diagonal, window) apply it.
-        m_start = m_block * TILE_M
+        m_start = m_block * self.tile_m
         full_hi = kv_len // tile_n
         if window_right >= 0:
             full_hi = cutlass.min(
@@ -464,7 +480,7 @@ class FlashFwdSm90:
         full_lo = cutlass.Int32(0)
         if window_left >= 0:
             full_lo = cute.ceil_div(
-                cutlass.max(m_start + TILE_M - 1 + diag_offset - window_left, 0), tile_n
+                cutlass.max(m_start + self.tile_m - 1 + diag_offset - window_left, 0), tile_n
             )
 
         if self.pingpong:
@@ -542,16 +558,18 @@ class FlashFwdSm90:
     # ------------------------------------------------------------------------
     @cute.jit
     def _turn_wait(self, wg):
-        """Pingpong: wait until the other consumer has issued its GEMMs."""
+        """Pingpong: wait until the previous consumer has issued its GEMMs."""
         if self.pingpong:
             cute.arch.barrier(barrier_id=BAR_PINGPONG + wg, number_of_threads=2 * WG_THREADS)
 
     @cute.jit
     def _turn_pass(self, wg):
-        """Pingpong: let the other consumer issue its GEMMs."""
+        """Pingpong: let the next consumer issue its GEMMs."""
         if self.pingpong:
+            # 1 - wg for two: the same code as before three were possible.
+            following = 1 - wg if cutlass.const_expr(self.consumers == 2) else (wg + 1) % self.consumers
             cute.arch.barrier_arrive(
-                barrier_id=BAR_PINGPONG + 1 - wg, number_of_threads=2 * WG_THREADS
+                barrier_id=BAR_PINGPONG + following, number_of_threads=2 * WG_THREADS
             )
 
     @cute.jit
@@ -658,15 +676,15 @@ class FlashFwdSm90:
         rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         # Every warp of this warpgroup must be done reading Q before O lands.
-        cute.arch.barrier(barrier_id=BAR_EPILOGUE + wg, number_of_threads=WG_THREADS)
+        cute.arch.barrier(barrier_id=self.bar_epilogue + wg, number_of_threads=WG_THREADS)
         cute.autovec_copy(rO, tOsO)
         # Generic-proxy smem writes must be visible to the TMA (async proxy).
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=BAR_EPILOGUE + wg, number_of_threads=WG_THREADS)
+        cute.arch.barrier(barrier_id=self.bar_epilogue + wg, number_of_threads=WG_THREADS)
         if tidx < 32:
             gO = cute.local_tile(
                 mO[None, None, head_q, batch], (WG_ROWS, self.head_dim),
-                (m_block * NUM_CONSUMERS + wg, 0),
+                (m_block * self.consumers + wg, 0),
             )
             tOsO_tma, tOgO = cpasync.tma_partition(
                 tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
