@@ -70,6 +70,7 @@ foreach(family IN LISTS JF_KERNEL_FAMILIES)
         COMMAND "${Python_EXECUTABLE}" "${CMAKE_CURRENT_SOURCE_DIR}/cuda_src/export_kernels.py"
                 --family ${family} --arch ${arch} --out "${jf_aot_dir}"
         DEPENDS ${family_sources} ${CMAKE_CURRENT_SOURCE_DIR}/cuda_src/export_kernels.py
+                ${CMAKE_CURRENT_SOURCE_DIR}/cuda_src/sass_checks.py
         COMMENT "jax_flash: compiling ${family} CuTe DSL kernels for ${arch} ahead of time"
         VERBATIM)
     endif()

@@ -13,7 +13,8 @@ line per kernel (registers, spilled bytes) to the build output, and a
 "Potential Performance Loss" advisory fails the build. Such advisories are
 silent otherwise and expensive: one (setmaxnreg ignored for want of a
 register count at entry) had the Hopper backward's warps compiled for 168
-registers instead of 240 and its WGMMAs serialised.
+registers instead of 240 and its WGMMAs serialised. Where cuobjdump is
+available, sass_checks.py also inspects the machine code.
 """
 
 import argparse
@@ -24,6 +25,8 @@ import shutil
 import subprocess
 import sys
 import time
+
+import sass_checks
 
 SOURCE_DIR = pathlib.Path(__file__).resolve().parent
 # CuTe DSL compiler option: print ptxas's -v report as remarks.
@@ -93,6 +96,14 @@ def export(family: str, arch: str, out: pathlib.Path) -> pathlib.Path:
   objects = sorted(target.glob("*.o"))
   if not objects:
     raise SystemExit(f"jax_flash: {family} export for {arch} produced no object files")
+  problems = sass_checks.run(family, objects)
+  if problems:
+    raise SystemExit("jax_flash: the machine code lost a property the kernels rely on for "
+                     "speed (cuda_src/sass_checks.py):\n  " + "\n  ".join(problems))
+  if problems is None and family in sass_checks.CHECKS:
+    print(f"jax_flash: {family}: SASS checks skipped (no cuobjdump on PATH or in $CUOBJDUMP)")
+  elif problems is not None:
+    print(f"jax_flash: {family} {arch}: SASS checks passed")
   archive = out / f"lib{family}_{arch}.a"
   archive.unlink(missing_ok=True)
   subprocess.run(["ar", "rcs", str(archive), *map(str, objects)], check=True)

@@ -1,7 +1,9 @@
-"""The AOT export's ptxas guard (cuda_src/export_kernels.py): it must read
-ptxas's wrapped report per kernel, so that a "Potential Performance Loss"
-advisory (WGMMAs serialised, setmaxnreg ignored) fails the build instead of
-passing silently."""
+"""The AOT export's guards. The ptxas one (cuda_src/export_kernels.py) must
+read ptxas's wrapped report per kernel, so that a "Potential Performance
+Loss" advisory (WGMMAs serialised, setmaxnreg ignored) fails the build
+instead of passing silently; the SASS one (cuda_src/sass_checks.py) must
+find the forward's softmax exp2s on the right side of the wait for the PV
+GEMM."""
 
 import pathlib
 import sys
@@ -9,6 +11,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "cuda_src"))
 
 import export_kernels  # noqa: E402
+import sass_checks  # noqa: E402
 
 KERNEL = "'kernel_cutlass_kernel_kernelFlashBwdSm90_object_at__tensor0000o6411101213_0'"
 # Two kernels as the CuTe DSL prints them with remarks{ptx}: indented, with
@@ -54,3 +57,45 @@ def test_known_advisory_is_only_reported(monkeypatch, capsys):
   assert flagged == ["jf_bwd90_sm90a_bf16_hd64: 'setmaxnreg' ignored; unable to determine "
                      "register count at entry."]
   assert "known ptxas advisory" in capsys.readouterr().out
+
+
+def sass(*instructions):
+  """cuobjdump -sass lines, one per instruction."""
+  return "\n".join(f"        /*{16 * i:04x}*/  {op} ;  /* 0x0 */" for i, op in enumerate(instructions))
+
+
+PEELED = ("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24, gsb0", "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+          "MUFU.EX2 R24, R24")
+LOOP_TOP = ("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24, gsb0",
+            "HGMMA.64x64x16.F32.BF16 R88, R120, gdesc[UR8].tnspB, R88, gsb0",
+            "WARPGROUP.DEPBAR.LE gsb0, 0x1")
+AFTER_LOOP = ("F2FP.BF16.F32.PACK_AB R120, R25, R24", "@P0 BRA 0x100",
+              "HGMMA.64x64x16.F32.BF16 R88, R120, gdesc[UR8].tnspB, R88, gsb0", "MUFU.LG2 R3, R3")
+
+
+def test_softmax_before_the_pv_wait_passes():
+  code = sass(*PEELED, *LOOP_TOP, "MUFU.EX2 R24, R24", "MUFU.EX2 R25, R25",
+              "WARPGROUP.DEPBAR.LE gsb0, 0x0", *AFTER_LOOP)
+  assert sass_checks.exps_after_pv_wait(code) == (2, 0)
+
+
+def test_a_hoisted_pv_wait_is_counted():
+  code = sass(*PEELED, *LOOP_TOP, "FMNMX R21, R24, R25, !PT", "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+              "MUFU.EX2 R24, R24", "MUFU.EX2 R25, R25", *AFTER_LOOP)
+  assert sass_checks.exps_after_pv_wait(code) == (0, 2)
+
+
+def test_code_without_the_loop_is_not_judged():
+  assert sass_checks.exps_after_pv_wait(sass(*PEELED)) is None
+
+
+def test_cuda_images_are_carved_out_of_an_object_file():
+  def elf(machine, payload):
+    header = bytearray(64)
+    header[:4] = b"\x7fELF"
+    header[18:20] = machine.to_bytes(2, "little")
+    header[40:48] = (64 + len(payload)).to_bytes(8, "little")  # e_shoff: sections after it
+    return bytes(header) + payload
+  cubin = elf(190, b"cuda code")
+  host = elf(62, b"host code" + cubin + b"trailing")
+  assert sass_checks.embedded_cubins(host) == [cubin]
