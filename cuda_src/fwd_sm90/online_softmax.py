@@ -6,6 +6,13 @@ Every exp2 runs on the MUFU. Moving every 2nd, 3rd or 4th of them to a
 minimax cubic on the FMA pipe was timed (H100, results run 16) and lost at
 head dims 64, 96 and 128 (hd64 non-causal: 395 / 429 / 421 TFLOPS against
 427-436 without), so the MUFU is not what limits these tiles.
+
+The exp2s are cute.arch.exp2, an ex2.approx inline asm with side effects,
+rather than the pure cute.math.exp2: LLVM sank and duplicated the pure calls
+past the wait for the PV GEMM (fp16: ptxas left 37 of hd128's 172 there),
+which the side effects forbid. Same instruction, same numerics; on H100
+(results run 18, bf16, seq 8192, forward TFLOPS non-causal / causal) hd128
+went from 590-595 / 538-543 to 634 / 565, hd64 and hd256 unchanged.
 """
 
 import cutlass
@@ -43,11 +50,11 @@ def online_softmax(acc_S_mn, row_max, row_sum, factor, scale_log2, conditional: 
             if new_max == -cutlass.Float32.inf
             else new_max * scale_log2
         )
-        factor[r] = cute.math.exp2(prev_max * scale_log2 - max_scaled, fastmath=True)
+        factor[r] = cute.arch.exp2(prev_max * scale_log2 - max_scaled)
         row_max[r] = new_max
         tile_sum = cutlass.Float32(0.0)
         for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-            p = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - max_scaled, fastmath=True)
+            p = cute.arch.exp2(acc_S_mn[r, c] * scale_log2 - max_scaled)
             acc_S_mn[r, c] = p
             tile_sum = tile_sum + p
         row_sum[r] = row_sum[r] * factor[r] + tile_sum
