@@ -119,6 +119,23 @@ class AttentionTestBase:
     self.check(seq_q=7, seq_k=200, heads_q=6, heads_kv=2, segment_ids=(q_ids, kv_ids),
                q_lens=jnp.array([7, 5], jnp.int32), dtype=self.dtypes[0])
 
+  @pytest.mark.parametrize("case", ["window", "gqa-lengths", "documents", "many-keys"])
+  def test_masks_at_every_head_dim(self, head_dim, case):
+    # Each head dim has kernels of its own (tiles, shared-memory plans, how
+    # the warpgroups split the work): every kind of mask runs on each.
+    kw = dict(head_dim=head_dim, dtype=self.dtypes[0])
+    if case == "window":
+      self.check(seq_q=260, seq_k=260, window=(70, 5), **kw)
+    elif case == "gqa-lengths":
+      self.check(seq_q=190, seq_k=300, heads_q=8, heads_kv=2, causal=True,
+                 q_lens=jnp.array([190, 61], jnp.int32), kv_lens=jnp.array([123, 300], jnp.int32),
+                 **kw)
+    elif case == "documents":
+      ids = packed_segment_ids(14, batch=2, seq=300, num_docs=4, padding=9)
+      self.check(seq_q=300, seq_k=300, segment_ids=ids, causal=True, **kw)
+    else:
+      self.check(batch=1, seq_q=130, seq_k=1100, heads_q=2, heads_kv=1, **kw)
+
   @pytest.mark.parametrize("heads_q,heads_kv", [(8, 8), (8, 4), (8, 2), (8, 1)],
                            ids=["mha", "gqa2", "gqa4", "mqa"])
   def test_grouped_heads(self, heads_q, heads_kv):

@@ -55,6 +55,7 @@ from cutlass.utils import LayoutEnum
 from common.dsl_common import (
     first_kv_block_seeing,
     query_tile_of,
+    red_add_rows,
     release_add_s32,
     segment_bounds_union,
     store_existing_rows,
@@ -96,9 +97,17 @@ DQ_BAR_THREADS = NUM_MMA_THREADS + WARP_THREADS
 
 @dataclass(frozen=True)
 class TileConfig:
-    m_block: int  # query rows per iteration (one WGMMA M)
-    n_block: int  # keys per CTA (two WGMMA M, one per consumer WG)
+    m_block: int  # query rows per iteration
+    n_block: int  # keys per CTA
     stages: int  # Q/dO pipeline depth, also dS buffers
+    # Large head dims: the consumer WGs split the head dim of dK, dV and dQ
+    # (and the query rows of S^T, dP^T) instead of the keys, so that each
+    # holds half of dK and dV; P^T then goes through shared memory too.
+    split_head_dim: bool = False
+    # dQ added to global memory by the consumers (red.global.add.v2.f32)
+    # instead of through a shared fp32 tile and the writer warp's TMA, for
+    # want of shared memory; not deterministic.
+    dq_red: bool = False
 
 
 # Frozen per head dim. n_block = 128 puts one 64-row WGMMA per consumer WG in
@@ -113,10 +122,18 @@ class TileConfig:
 # trial, hd96 198 / 185 (slower than the sm80 kernel, so not built then).
 # This layout: hd128 485 / 444 (cuDNN 539 / 469), hd96 433 / 395 (cuDNN
 # 423 / 393), hd64 345 / 322 (cuDNN 439 / 370).
+#
+# hd192 and hd256 keep 64 keys per CTA and split the head dim over the WGs:
+# dK and dV are then 64 floats each per thread at hd256 (128 keys would need
+# 256), S^T and dP^T 16. Shared memory is full at both (224 KiB: Q, dO in
+# two stages, K, V, P^T and dS^T double buffered, hd192's 48 KiB dQ tile);
+# hd256 has no room for its 64 KiB dQ tile and adds dQ with red.global.
 TILE_CONFIGS = {
     64: TileConfig(m_block=64, n_block=128, stages=2),
     96: TileConfig(m_block=64, n_block=128, stages=2),
     128: TileConfig(m_block=64, n_block=128, stages=2),
+    192: TileConfig(m_block=64, n_block=64, stages=2, split_head_dim=True),
+    256: TileConfig(m_block=64, n_block=64, stages=2, split_head_dim=True, dq_red=True),
 }
 
 
@@ -138,14 +155,18 @@ class FlashBwdSm90:
             # The deterministic order needs the geometric query-tile ranges
             # (see the sm80 family); packed documents narrow them.
             raise NotImplementedError("no deterministic packed-document sm90 backward")
+        cfg = tile or TILE_CONFIGS[head_dim]
+        if deterministic and cfg.dq_red:
+            raise NotImplementedError(f"no deterministic sm90 backward at head_dim={head_dim} (dQ by red.global)")
         self.dtype = dtype
         self.head_dim = head_dim
         self.deterministic = deterministic
         self.has_segments = has_segments
-        cfg = tile or TILE_CONFIGS[head_dim]
         self.m_block = cfg.m_block
         self.n_block = cfg.n_block
         self.stages = cfg.stages
+        self.split_head_dim = cfg.split_head_dim
+        self.dq_red = cfg.dq_red
 
     @staticmethod
     def can_implement(dtype, head_dim, tile: Optional[TileConfig] = None) -> bool:
@@ -162,9 +183,9 @@ class FlashBwdSm90:
         cfg = tile or TILE_CONFIGS[head_dim]
         q_do = 2 * cfg.stages * cfg.m_block * head_dim * 2
         k_v = 2 * cfg.n_block * head_dim * 2
-        ds = cfg.stages * cfg.m_block * cfg.n_block * 2
-        dq = cfg.m_block * head_dim * 4
-        return q_do + k_v + ds + dq + 1024
+        p_ds = (2 if cfg.split_head_dim else 1) * cfg.stages * cfg.m_block * cfg.n_block * 2
+        dq = 0 if cfg.dq_red else cfg.m_block * head_dim * 4
+        return q_do + k_v + p_ds + dq + 1024
 
     # ------------------------------------------------------------------ host
     def _smem_layout(self, rows: int, cols: int, stages: int, major_size: int):
@@ -218,13 +239,15 @@ class FlashBwdSm90:
         if cutlass.const_expr(self.has_segments != (mQSeg is not None)):
             raise TypeError("segment tensors must be given exactly for the has_segments variant")
         D, M, N, st = self.head_dim, self.m_block, self.n_block, self.stages
+        split = self.split_head_dim
         K_MAJOR, MN_MAJOR = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
-        # dQ splits the head dim over the two WGs, dK/dV split the keys and
-        # S^T/dP^T split the keys: these are the per-WG extents each buffer is
-        # read with. dS is stored transposed, (keys, query rows).
-        sQ_layout = self._smem_layout(M, D, st, D)
+        # dQ splits the head dim over the two WGs; dK/dV and S^T/dP^T split
+        # the keys (split_head_dim: dK/dV the head dim, S^T/dP^T the query
+        # rows): these are the per-WG extents each buffer is read with. P^T
+        # and dS^T are stored as (keys, query rows).
+        sQ_layout = self._smem_layout(M, D, st, D // NUM_MMA_WG if split else D)
         sK_layout = self._smem_layout(N, D, 1, D // NUM_MMA_WG)
-        sV_layout = self._smem_layout(N, D, 1, D)
+        sV_layout = self._smem_layout(N, D, 1, D // NUM_MMA_WG if split else D)  # dV staged here
         sdS_layout = self._smem_layout(N, M, st, M)
         # fp32 dQ tile, swizzled so that the accumulator's row pairs land in
         # distinct banks; the TMA reads it back box by box.
@@ -235,12 +258,17 @@ class FlashBwdSm90:
 
         # S^T = K Q^T and dP^T = V dO^T (keys as the WGMMA M), so that P^T and
         # dS^T are already the register A operands of dV += P^T dO and
-        # dK += dS^T Q; dQ = dS K reads dS from shared memory.
-        mma_sdp = self._tiled_mma(K_MAJOR, K_MAJOR, (NUM_MMA_WG, 1, 1), M)
-        mma_dkv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (NUM_MMA_WG, 1, 1), (WGMMA_M, D),
-            warpgroup.OperandSource.RMEM,
-        )
+        # dK += dS^T Q; dQ = dS K reads dS from shared memory. Split head
+        # dim: every product reads P^T and dS^T from shared memory.
+        if cutlass.const_expr(split):
+            mma_sdp = self._tiled_mma(K_MAJOR, K_MAJOR, (1, NUM_MMA_WG, 1), M // NUM_MMA_WG)
+            mma_dkv = self._tiled_mma(K_MAJOR, MN_MAJOR, (1, NUM_MMA_WG, 1), D // NUM_MMA_WG)
+        else:
+            mma_sdp = self._tiled_mma(K_MAJOR, K_MAJOR, (NUM_MMA_WG, 1, 1), M)
+            mma_dkv = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (NUM_MMA_WG, 1, 1), (WGMMA_M, D),
+                warpgroup.OperandSource.RMEM,
+            )
         mma_dq = self._tiled_mma(MN_MAJOR, MN_MAJOR, (1, NUM_MMA_WG, 1), D // NUM_MMA_WG)
 
         # TMA views are (seqlen, head_dim, heads, batch) so a (rows, D) box
@@ -253,9 +281,13 @@ class FlashBwdSm90:
         tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(g2s, seq_major(mdO), cute.slice_(sQ_layout, (None, None, 0)), (M, D))
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, seq_major(mK), cute.slice_(sK_layout, (None, None, 0)), (N, D))
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, seq_major(mV), cute.slice_(sV_layout, (None, None, 0)), (N, D))
-        tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), seq_major(mdQ), sdQ_layout, (M, D)
-        )
+        tma_atom_dQ, tma_dQ = None, None
+        if cutlass.const_expr(not self.dq_red):
+            tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), seq_major(mdQ), sdQ_layout, (M, D)
+            )
+        p_cosize = cute.cosize(sdS_layout) if split else 1
+        dq_cosize = 1 if self.dq_red else cute.cosize(sdQ_layout)
 
         @cute.struct
         class SharedStorage:
@@ -266,9 +298,10 @@ class FlashBwdSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_cosize], 1024]  # not dq_red
             # Per-warp partial (min first, max last) of the keys' q_bounds.
             sSegRange: cute.struct.MemRange[Int32, 2 * NUM_WARPS]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_cosize], 1024]  # split_head_dim
 
         # 16-byte row stores of dK/dV from the staged shared tile.
         vec = 128 // self.dtype.width
@@ -345,8 +378,10 @@ class FlashBwdSm90:
         n_iters = m_blocks * group
 
         if warp_idx == 0:
-            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dQ):
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO):
                 cpasync.prefetch_descriptor(atom)
+            if cutlass.const_expr(not self.dq_red):
+                cpasync.prefetch_descriptor(tma_atom_dQ)
 
         kv_bar = storage.kv_bar.data_ptr()
         if tidx == 0:
@@ -371,7 +406,12 @@ class FlashBwdSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        sP = None
+        if cutlass.const_expr(self.split_head_dim):
+            sP = storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sdQ = None
+        if cutlass.const_expr(not self.dq_red):
+            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -381,15 +421,16 @@ class FlashBwdSm90:
                     sQ, sK, sV, sdO, pipe, kv_bar, bytes_KV,
                     n_block, kv_head, batch, group, m_block_min, m_blocks, n_iters,
                 )
-            if warp_idx == DQ_WARP:
-                self._write_dq(
-                    tma_dQ, tma_atom_dQ, sdQ, mDqSem, lo, n_block, kv_head, batch, group,
-                    m_block_min, m_blocks, n_iters,
-                )
+            if cutlass.const_expr(not self.dq_red):
+                if warp_idx == DQ_WARP:
+                    self._write_dq(
+                        tma_dQ, tma_atom_dQ, sdQ, mDqSem, lo, n_block, kv_head, batch, group,
+                        m_block_min, m_blocks, n_iters,
+                    )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._consume(
-                mLSE, mDelta, mdK, mdV, sQ, sK, sV, sdO, sdS, sdQ, pipe, kv_bar,
+                mLSE, mDelta, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sP, sdQ, pipe, kv_bar,
                 mma_sdp, mma_dkv, mma_dq, gmem_store_tile,
                 scale, scale_log2, lo, hi, n_block, kv_head, batch, group,
                 m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k, mQSeg, mKVSeg,
@@ -473,16 +514,19 @@ class FlashBwdSm90:
 
     @cute.jit
     def _consume(
-        self, mLSE, mDelta, mdK, mdV, sQ, sK, sV, sdO, sdS, sdQ, pipe, kv_bar,
+        self, mLSE, mDelta, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sP, sdQ, pipe, kv_bar,
         mma_sdp, mma_dkv, mma_dq, gmem_store_tile,
         scale, scale_log2, lo, hi, n_block, kv_head, batch, group,
         m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k, mQSeg, mKVSeg,
     ):
         D, M, N = self.head_dim, self.m_block, self.n_block
+        split = self.split_head_dim
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - WG_THREADS
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         lane = cute.arch.lane_idx()
+        # First query row (within the tile) of this WG's S^T / dP^T columns.
+        wg_row0 = wg * (M // NUM_MMA_WG) if split else 0
 
         # Transposed views (same bytes) for the MN-major operands.
         sQt = _transpose(sQ)
@@ -506,6 +550,9 @@ class FlashBwdSm90:
         tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt))
         tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS_rows))
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
+        if cutlass.const_expr(split):
+            tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_A(sP))
+            tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_A(sdS))
 
         acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((N, D)), Float32)
         acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((N, D)), Float32)
@@ -520,12 +567,18 @@ class FlashBwdSm90:
         r2s_sdp = cute.make_tiled_copy_C(stsm_atom, mma_sdp)
         thr_r2s = r2s_sdp.get_slice(tidx)
         tdSsdS = thr_r2s.partition_D(sdS)
-        # dQ: registers -> the swizzled fp32 tile, two columns per store.
-        r2s_dq = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), mma_dq
-        )
-        thr_r2s_dq = r2s_dq.get_slice(tidx)
-        tdQsdQ = thr_r2s_dq.partition_D(sdQ)
+        if cutlass.const_expr(split):
+            tPsP = thr_r2s.partition_D(sP)
+        if cutlass.const_expr(self.dq_red):
+            # (query row, column) of every dQ accumulator element.
+            tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((M, D)))
+        else:
+            # dQ: registers -> the swizzled fp32 tile, two columns per store.
+            r2s_dq = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), mma_dq
+            )
+            thr_r2s_dq = r2s_dq.get_slice(tidx)
+            tdQsdQ = thr_r2s_dq.partition_D(sdQ)
 
         # S^T and dP^T tiles: (key, query row) of every accumulator element.
         tScS = wgmma_acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((N, M))))
@@ -557,12 +610,12 @@ class FlashBwdSm90:
             # columns of this thread repeat in every quad of its warp, so each
             # lane loads the pair its quad index selects and the others come
             # by shuffles (query_stat).
-            lse_q, delta_q = load_query_stats(mLSE, mDelta, batch, head, m0, lane, seqlen_q)
+            lse_q, delta_q = load_query_stats(mLSE, mDelta, batch, head, m0 + wg_row0, lane, seqlen_q)
             seg_pair = cute.make_rmem_tensor(2, Int32)
             tile_differs = False
             if cutlass.const_expr(self.has_segments):
                 for b in cutlass.range_constexpr(2):
-                    row = m0 + own_query_column(lane, b)
+                    row = m0 + wg_row0 + own_query_column(lane, b)
                     seg_pair[b] = mQSeg[batch, cutlass.min(row, seqlen_q - 1)]
                 tile_differs = warp_sees_several_ids(key_seg, seg_pair)
 
@@ -585,14 +638,18 @@ class FlashBwdSm90:
                     zero_hidden_pairs(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi)
             elif not full_tile:
                 zero_hidden_pairs(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi)
-            # P^T stays in registers as the A operand of dV += P^T dO, which
-            # only needs this warpgroup's keys: no barrier before it.
             rPt = cute.make_fragment_like(acc_S, self.dtype)
             rPt.store(acc_S.load().to(self.dtype))
-            tdVrPt = cute.make_tensor(rPt.iterator, wgmma_acc_as_operand_a(rPt.layout))
-            self._wgmma(mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, s], False)
-
-            warpgroup.wait_group(1)
+            if cutlass.const_expr(split):
+                # dV needs every query row of P^T: the other WG's half too.
+                cute.copy(r2s_sdp, thr_r2s.retile(rPt), tPsP[None, None, None, s])
+                warpgroup.wait_group(0)
+            else:
+                # P^T stays in registers as the A operand of dV += P^T dO,
+                # which only needs this warpgroup's keys: no barrier before it.
+                tdVrPt = cute.make_tensor(rPt.iterator, wgmma_acc_as_operand_a(rPt.layout))
+                self._wgmma(mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, s], False)
+                warpgroup.wait_group(1)
             acc_dP_mn = wgmma_acc_as_rows_cols(acc_dP)
             for c in cutlass.range_constexpr(n_queries):
                 delta = query_stat(delta_q, c, lane)
@@ -601,7 +658,6 @@ class FlashBwdSm90:
             rdSt = cute.make_fragment_like(acc_dP, self.dtype)
             rdSt.store(acc_dP.load().to(self.dtype))
             cute.copy(r2s_sdp, thr_r2s.retile(rdSt), tdSsdS[None, None, None, s])
-            tdKrdSt = cute.make_tensor(rdSt.iterator, wgmma_acc_as_operand_a(rdSt.layout))
 
             # Generic-proxy stores must be visible to WGMMA (async proxy),
             # and dQ reads the other WG's keys of dS.
@@ -609,16 +665,24 @@ class FlashBwdSm90:
             cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=NUM_MMA_THREADS)
             acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((M, D)), Float32)
             self._wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, s], tdQrKt[None, None, None, 0], True)
-            self._wgmma(mma_dkv, acc_dK, tdKrdSt, tdKrQt[None, None, None, s], False)
+            if cutlass.const_expr(split):
+                self._wgmma(mma_dkv, acc_dV, tdVrP[None, None, None, s], tdVrdOt[None, None, None, s], False)
+                self._wgmma(mma_dkv, acc_dK, tdKrdS[None, None, None, s], tdKrQt[None, None, None, s], False)
+            else:
+                tdKrdSt = cute.make_tensor(rdSt.iterator, wgmma_acc_as_operand_a(rdSt.layout))
+                self._wgmma(mma_dkv, acc_dK, tdKrdSt, tdKrQt[None, None, None, s], False)
 
-            # dQ goes to shared memory (for the writer warp's TMA add) while
-            # the dK GEMM is still in flight.
-            warpgroup.wait_group(1)
+            # dQ leaves while the dK (and dV) GEMMs are still in flight.
+            warpgroup.wait_group(2 if split else 1)
             acc_dQ.store(acc_dQ.load() * scale)
-            cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=DQ_BAR_THREADS)
-            cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQsdQ)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=DQ_BAR_THREADS)
+            if cutlass.const_expr(self.dq_red):
+                red_add_rows(acc_dQ, tdQcdQ, mdQ[batch, None, head, None], m0, seqlen_q)
+            else:
+                # To shared memory, for the writer warp's TMA add.
+                cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=DQ_BAR_THREADS)
+                cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQsdQ)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=DQ_BAR_THREADS)
             warpgroup.wait_group(0)
             pipe.consumer_release(state)
             state.advance()

@@ -103,7 +103,7 @@ extern "C" int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream_ptr, char*
   if (FindVariant(90, p.dtype, p.head_dim, p.deterministic == 1, p.has_segments == 1) == nullptr)
     return Fail(err, err_len,
                 "jax_flash_bwd_sm90: no variant for head_dim %d, deterministic %d, has_segments %d "
-                "(built: head dims 64, 128; not both deterministic and segments)",
+                "(built: bwd_sm90_variants_sm_90a.h; none both deterministic and packed-document)",
                 p.head_dim, p.deterministic, p.has_segments);
   if (!(p.scale == p.scale) || p.scale == INFINITY || p.scale == -INFINITY)
     return Fail(err, err_len, "jax_flash_bwd_sm90: scale must be finite");
