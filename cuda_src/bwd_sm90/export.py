@@ -80,13 +80,18 @@ def _compile_variant(dtype, head_dim, deterministic, has_segments, tile=None):
 def main(argv=None):
     args = parse_export_args(
         __doc__, ARCHES, "comma-separated subset, e.g. bf16_128 (development aid)", argv,
-        extra=[("--tile", dict(default=None, help="M,N,STAGES instead of TILE_CONFIGS "
-                                                  "(timing alternatives; use with --only)"))],
+        extra=[("--tile", dict(default=None, help="M,N,STAGES[,split][,red] instead of TILE_CONFIGS "
+                                                  "(timing alternatives; use with --only); split: "
+                                                  "split_head_dim, red: dq_red"))],
     )
     import cutlass
     from kernel import TILE_CONFIGS, TileConfig
 
-    tile = TileConfig(*map(int, args.tile.split(","))) if args.tile else None
+    tile = None
+    if args.tile:
+        fields = args.tile.split(",")
+        tile = TileConfig(*map(int, fields[:3]), split_head_dim="split" in fields[3:],
+                          dq_red="red" in fields[3:])
 
     only = {s for s in args.only.split(",") if s}
     tag = _arch_tag(args.arch)
