@@ -254,25 +254,6 @@ def query_tile_of(it, kv_head, group, m_block_min, m_blocks, deterministic):
     return head, m_block
 
 
-@dsl_user_op
-def red_add_v2_f32(ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
-    """ptr[0] += a, ptr[1] += b in global memory, one vector reduction
-    (sm_90); ptr must be 8-byte aligned."""
-    llvm.inline_asm(
-        None,
-        [
-            ptr.toint(loc=loc, ip=ip).ir_value(),
-            Float32(a).ir_value(loc=loc, ip=ip),
-            Float32(b).ir_value(loc=loc, ip=ip),
-        ],
-        "red.global.add.v2.f32 [$0], {$1, $2};",
-        "l,f,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
 @cute.jit
 def red_add_rows(acc: cute.Tensor, coords: cute.Tensor, mX: cute.Tensor, row0, rows):
     """mX[row0 + r, c] += acc element for element, (r, c) = coords of the
