@@ -85,7 +85,7 @@ def main(argv=None):
                                                   "split_head_dim, red: dq_red"))],
     )
     import cutlass
-    from kernel import TILE_CONFIGS, TileConfig
+    from tile_config import TILE_CONFIGS, TileConfig
 
     tile = None
     if args.tile:
