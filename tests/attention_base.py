@@ -206,6 +206,17 @@ class AttentionTestBase:
       again = run_attention(q, k, v, dout, self.implementation, deterministic=True, **mask)
       chex.assert_trees_all_equal(first, again)
 
+  def test_deterministic_backward_at_every_head_dim(self, head_dim):
+    # The deterministic backward of each head dim's kernels (on Hopper, some
+    # head dims run it on the sm80 family).
+    kw = dict(causal=True, window=(150, None))
+    q, k, v, dout = numerics.random_qkv(16, 2, 257, 257, 4, 2, head_dim, self.dtypes[0])
+    first = self.check(seq_q=257, seq_k=257, head_dim=head_dim, dtype=self.dtypes[0],
+                       deterministic=True, seed=16, **kw)
+    for _ in range(4):
+      again = run_attention(q, k, v, dout, self.implementation, deterministic=True, **kw)
+      chex.assert_trees_all_equal(first, again)
+
   def test_lse_gradient(self):
     q, k, v, _ = numerics.random_qkv(4, 1, 50, 70, 2, 1, self.head_dims[0], self.dtypes[0])
 
