@@ -1,7 +1,7 @@
 """A small forward + backward on the GPU kernels, for compute-sanitizer:
 head dims whose Hopper kernels differ in structure (hd64: three forward
 consumers; hd192: the split-head-dim backward with its TMA dQ tile; hd256:
-the same with dQ by red.global)."""
+the same with dQ written over its spent Q / dO stage)."""
 
 import jax
 import jax.numpy as jnp

@@ -2,7 +2,7 @@
 
     python cuda_src/bwd_sm90/export.py --arch sm_90a --out build/bwd_sm90/sm_90a
 
-writes, per kind (KINDS: plain, deterministic, packed-document) and (dtype,
+writes, per kind (KINDS: plain, deterministic, packed-document, soft-capped) and (dtype,
 head_dim), NAME.o and NAME.h (export_to_c), and bwd_sm90_variants_<arch>.h
 with one X-macro per kind for launch.cc.
 
@@ -39,15 +39,16 @@ def _arch_tag(arch: str) -> str:
     return arch.replace("_", "")  # sm_90a -> sm90a
 
 
-# The kinds of variant: (name infix, deterministic, has_segments).
-KINDS = (("bwd90", False, False), ("bwd90det", True, False), ("bwdseg90", False, True))
+# The kinds of variant: (name infix, deterministic, has_segments, has_softcap).
+KINDS = (("bwd90", False, False, False), ("bwd90det", True, False, False),
+         ("bwdseg90", False, True, False), ("bwdcap90", False, False, True))
 
 
 def variant_name(arch: str, dtype_tag: str, head_dim: int, infix: str) -> str:
     return f"jf_{infix}_{_arch_tag(arch)}_{dtype_tag}_hd{head_dim}"
 
 
-def _compile_variant(dtype, head_dim, deterministic, has_segments, tile=None):
+def _compile_variant(dtype, head_dim, deterministic, has_segments, has_softcap, tile=None):
     import cutlass
     import cutlass.cute as cute
     from kernel import FlashBwdSm90
@@ -68,7 +69,7 @@ def _compile_variant(dtype, head_dim, deterministic, has_segments, tile=None):
     if has_segments:
         segments = (fake.segment_ids(fake.seqlen_q), fake.segment_ids(fake.seqlen_k),
                     fake.segment_bounds(fake.seqlen_k))
-    kernel = FlashBwdSm90(dtype, head_dim, deterministic, has_segments, tile)
+    kernel = FlashBwdSm90(dtype, head_dim, deterministic, has_segments, tile, has_softcap)
     return cute.compile(
         kernel, q, k, v, do, lse, delta, q_lens, kv_lens, dq, dk, dv, fake.dq_semaphore(),
         # scale, softcap, key_lo, key_hi, deterministic
@@ -80,9 +81,9 @@ def _compile_variant(dtype, head_dim, deterministic, has_segments, tile=None):
 def main(argv=None):
     args = parse_export_args(
         __doc__, ARCHES, "comma-separated subset, e.g. bf16_128 (development aid)", argv,
-        extra=[("--tile", dict(default=None, help="M,N,STAGES[,split][,red] instead of TILE_CONFIGS "
+        extra=[("--tile", dict(default=None, help="M,N,STAGES[,split][,instage] instead of TILE_CONFIGS "
                                                   "(timing alternatives; use with --only); split: "
-                                                  "split_head_dim, red: dq_red"))],
+                                                  "split_head_dim, instage: dq_in_stage"))],
     )
     import cutlass
     from tile_config import TILE_CONFIGS, TileConfig
@@ -91,27 +92,24 @@ def main(argv=None):
     if args.tile:
         fields = args.tile.split(",")
         tile = TileConfig(*map(int, fields[:3]), split_head_dim="split" in fields[3:],
-                          dq_red="red" in fields[3:])
+                          dq_in_stage="instage" in fields[3:])
 
     only = {s for s in args.only.split(",") if s}
     tag = _arch_tag(args.arch)
-    rows = {infix: [] for infix, _, _ in KINDS}
+    rows = {infix: [] for infix, _, _, _ in KINDS}
     variants = []
-    for infix, deterministic, has_segments in KINDS:
+    for infix, deterministic, has_segments, has_softcap in KINDS:
         for dtype_tag, dtype_name, jf_dtype in DTYPES:
             for head_dim in HEAD_DIMS:
                 if only and f"{dtype_tag}_{head_dim}" not in only:
                     continue
                 cfg = tile or TILE_CONFIGS[head_dim]
-                # red.global has no fixed order (kernel.py); the split-head-dim
-                # deterministic variant has not run on a GPU yet: both stay on
-                # the sm80 family's deterministic backward.
-                if deterministic and (cfg.dq_red or cfg.split_head_dim):
-                    continue
+                if has_softcap and not cfg.split_head_dim:
+                    continue  # kernel.py says why
                 name = variant_name(args.arch, dtype_tag, head_dim, infix)
                 dtype = getattr(cutlass, dtype_name)
-                variants.append((name, lambda d=dtype, h=head_dim, x=deterministic, g=has_segments:
-                                 _compile_variant(d, h, x, g, tile)))
+                variants.append((name, lambda d=dtype, h=head_dim, x=deterministic, g=has_segments,
+                                 c=has_softcap: _compile_variant(d, h, x, g, c, tile)))
                 rows[infix].append(f"{tag}, {jf_dtype}, {head_dim}, {name}")
 
     names = export_variants(args.out, variants)
@@ -131,6 +129,11 @@ def main(argv=None):
                 "X(arch tag, JfDtype, head_dim, prefix), packed-document (has_segments)",
                 f"JF_BWD_SM90_SEG_VARIANTS_{tag.upper()}",
                 rows["bwdseg90"],
+            ),
+            (
+                "X(arch tag, JfDtype, head_dim, prefix), soft-capped (has_softcap)",
+                f"JF_BWD_SM90_CAP_VARIANTS_{tag.upper()}",
+                rows["bwdcap90"],
             ),
         ],
     )

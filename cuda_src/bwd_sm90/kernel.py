@@ -58,9 +58,10 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from common.dsl_common import (
+    cap_scores_with_slope,
+    logit_scales,
     first_kv_block_seeing,
     query_tile_of,
-    red_add_rows,
     release_add_s32,
     segment_bounds_union,
     store_existing_rows,
@@ -97,6 +98,7 @@ WGMMA_M = 64
 BAR_PDS = 1  # P and dS of a query tile are in shared memory
 BAR_EPI = 2  # epilogue staging through sK / sV
 BAR_DQ_EMPTY = 3  # the dQ tile in shared memory may be overwritten
+# (dq_in_stage: both consumer WGs are done with the Q / dO stage)
 BAR_DQ_FULL = 4  # the consumers wrote the dQ tile
 DQ_BAR_THREADS = NUM_MMA_THREADS + WARP_THREADS
 
@@ -105,13 +107,15 @@ class FlashBwdSm90:
     """deterministic=True builds the variant that adds dQ in KV-tile order
     (the writer warp waits for each tile's turn). It is a compile-time
     choice, unlike in the sm80 family, so that the plain variant carries no
-    turn code. Soft capping is not built yet (its 1 - tanh^2 fragment needs
-    32 more registers per thread); capped problems run on the sm80
-    backward."""
+    turn code. has_softcap=True builds the soft-capped variant (S becomes
+    tanh(S * scale / softcap) and dS is multiplied by 1 - tanh^2), so far
+    only with the split head dim, where that fragment is 16 floats per
+    thread (32 at hd64-128, which have no registers to spare); other capped
+    problems run on the sm80 backward."""
 
     def __init__(
         self, dtype: Type[cutlass.Numeric], head_dim: int, deterministic: bool = False,
-        has_segments: bool = False, tile: Optional[TileConfig] = None,
+        has_segments: bool = False, tile: Optional[TileConfig] = None, has_softcap: bool = False,
     ):
         if not self.can_implement(dtype, head_dim, tile):
             raise NotImplementedError(f"no sm90 backward for dtype={dtype}, head_dim={head_dim}")
@@ -120,17 +124,20 @@ class FlashBwdSm90:
             # (see the sm80 family); packed documents narrow them.
             raise NotImplementedError("no deterministic packed-document sm90 backward")
         cfg = tile or TILE_CONFIGS[head_dim]
-        if deterministic and cfg.dq_red:
-            raise NotImplementedError(f"no deterministic sm90 backward at head_dim={head_dim} (dQ by red.global)")
+        if has_softcap and (deterministic or has_segments or not cfg.split_head_dim):
+            # 1 - tanh^2 takes a score fragment of registers more: only the
+            # split layout (16 floats of S^T per thread) has them to spare.
+            raise NotImplementedError("softcap: only the plain split-head-dim sm90 backward")
         self.dtype = dtype
         self.head_dim = head_dim
         self.deterministic = deterministic
         self.has_segments = has_segments
+        self.has_softcap = has_softcap
         self.m_block = cfg.m_block
         self.n_block = cfg.n_block
         self.stages = cfg.stages
         self.split_head_dim = cfg.split_head_dim
-        self.dq_red = cfg.dq_red
+        self.dq_in_stage = cfg.dq_in_stage
 
     @staticmethod
     def can_implement(dtype, head_dim, tile: Optional[TileConfig] = None) -> bool:
@@ -148,7 +155,7 @@ class FlashBwdSm90:
         q_do = 2 * cfg.stages * cfg.m_block * head_dim * 2
         k_v = 2 * cfg.n_block * head_dim * 2
         p_ds = (2 if cfg.split_head_dim else 1) * cfg.stages * cfg.m_block * cfg.n_block * 2
-        dq = 0 if cfg.dq_red else cfg.m_block * head_dim * 4
+        dq = 0 if cfg.dq_in_stage else cfg.m_block * head_dim * 4
         return q_do + k_v + p_ds + dq + 1024
 
     # ------------------------------------------------------------------ host
@@ -194,10 +201,10 @@ class FlashBwdSm90:
         mQBounds: Optional[cute.Tensor] = None,  # [B, S, 2] i32
     ):
         """key_lo <= j - i <= key_hi for a visible (query i, key j) pair; the
-        launcher clamps both to +-(seqlen_q + seqlen_k + 1). softcap and
-        deterministic complete the signature the backward families share:
-        the launcher sends no capped problem here and picks the variant by
-        the flag, so the kernel reads neither."""
+        launcher clamps both to +-(seqlen_q + seqlen_k + 1). Only the
+        has_softcap variant reads softcap (the launcher sends capped problems
+        to it alone); deterministic completes the signature the backward
+        families share (the launcher picks the variant by it)."""
         if cutlass.const_expr(mQ.element_type != self.dtype):
             raise TypeError("q dtype does not match the compiled variant")
         if cutlass.const_expr(self.has_segments != (mQSeg is not None)):
@@ -245,24 +252,24 @@ class FlashBwdSm90:
         tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(g2s, seq_major(mdO), cute.slice_(sQ_layout, (None, None, 0)), (M, D))
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, seq_major(mK), cute.slice_(sK_layout, (None, None, 0)), (N, D))
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, seq_major(mV), cute.slice_(sV_layout, (None, None, 0)), (N, D))
-        tma_atom_dQ, tma_dQ = None, None
-        if cutlass.const_expr(not self.dq_red):
-            tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(), seq_major(mdQ), sdQ_layout, (M, D)
-            )
+        tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), seq_major(mdQ), sdQ_layout, (M, D)
+        )
         p_cosize = cute.cosize(sdS_layout) if split else 1
-        dq_cosize = 1 if self.dq_red else cute.cosize(sdQ_layout)
+        dq_cosize = 1 if self.dq_in_stage else cute.cosize(sdQ_layout)
 
         @cute.struct
         class SharedStorage:
             pipe_bar: cute.struct.MemRange[cutlass.Int64, 2 * st]
             kv_bar: cute.struct.MemRange[cutlass.Int64, 1]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            # dq_in_stage: sQ holds Q and dO of each stage side by side
+            # (sdO unused), the fp32 dQ tile's 4 M D bytes exactly.
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, (2 if self.dq_in_stage else 1) * cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, 1 if self.dq_in_stage else cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_cosize], 1024]  # not dq_red
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_cosize], 1024]
             # Per-warp partial (min first, max last) of the keys' q_bounds.
             sSegRange: cute.struct.MemRange[Int32, 2 * NUM_WARPS]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_cosize], 1024]  # split_head_dim
@@ -281,7 +288,7 @@ class FlashBwdSm90:
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_dQ, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
             tma_atom_dQ, mLSE, mDelta, mQLens, mKVLens, mdQ, mdK, mdV, mDqSem,
-            scale, scale * LOG2E, key_lo, key_hi, mQSeg, mKVSeg, mQBounds,
+            scale, softcap, key_lo, key_hi, mQSeg, mKVSeg, mQBounds,
             sQ_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout,
             mma_sdp, mma_dkv, mma_dq, gmem_store_tile, SharedStorage,
         ).launch(
@@ -300,7 +307,7 @@ class FlashBwdSm90:
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, tma_atom_dO: cute.CopyAtom,
         tma_atom_dQ: cute.CopyAtom, mLSE: cute.Tensor, mDelta: cute.Tensor, mQLens: cute.Tensor, mKVLens: cute.Tensor,
         mdQ: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mDqSem: cute.Tensor,
-        scale: Float32, scale_log2: Float32, lo: Int32, hi: Int32,
+        scale: Float32, softcap: Float32, lo: Int32, hi: Int32,
         mQSeg: Optional[cute.Tensor], mKVSeg: Optional[cute.Tensor], mQBounds: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
@@ -309,6 +316,9 @@ class FlashBwdSm90:
         SharedStorage: cutlass.Constexpr,
     ):
         D, M, N, st = self.head_dim, self.m_block, self.n_block, self.stages
+        scale_log2, softcap_in = scale * LOG2E, Float32(0.0)
+        if cutlass.const_expr(self.has_softcap):
+            scale_log2, softcap_in = logit_scales(scale, softcap)
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_block, kv_head, batch = cute.arch.block_idx()
@@ -342,10 +352,8 @@ class FlashBwdSm90:
         n_iters = m_blocks * group
 
         if warp_idx == 0:
-            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO):
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dQ):
                 cpasync.prefetch_descriptor(atom)
-            if cutlass.const_expr(not self.dq_red):
-                cpasync.prefetch_descriptor(tma_atom_dQ)
 
         kv_bar = storage.kv_bar.data_ptr()
         if tidx == 0:
@@ -361,12 +369,28 @@ class FlashBwdSm90:
             barrier_storage=storage.pipe_bar.data_ptr(),
             num_stages=st,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_MMA_THREADS // 32),
+            # dq_in_stage: the dQ writer warp frees a stage once its TMA has
+            # read the dQ tile written over it.
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 1 if self.dq_in_stage else NUM_MMA_THREADS // 32
+            ),
             tx_count=bytes_QdO,
         )
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        if cutlass.const_expr(self.dq_in_stage):
+            stage = cute.cosize(cute.slice_(sQ_layout, (None, None, 0)))
+            outer = sQ_layout.outer
+            # The stage mode is (1, stages) after tile_to_shape.
+            paired = cute.make_layout(
+                outer.shape, stride=(outer.stride[0], outer.stride[1], (outer.stride[2][0], 2 * stage))
+            )
+            sQ = storage.sQ.get_tensor(paired, swizzle=sQ_layout.inner)
+            sdO = cute.make_tensor(
+                cute.recast_ptr(storage.sQ.data_ptr() + stage, sQ_layout.inner, dtype=self.dtype), paired
+            )
+        else:
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
@@ -374,7 +398,12 @@ class FlashBwdSm90:
         if cutlass.const_expr(self.split_head_dim):
             sP = storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sdQ = None
-        if cutlass.const_expr(not self.dq_red):
+        if cutlass.const_expr(self.dq_in_stage):
+            # (M, D, stages) fp32 over the Q / dO pairs: stage s starts at Q[s].
+            dq = sdQ_layout.outer
+            staged = cute.make_layout((*dq.shape, self.stages), stride=(*dq.stride, cute.cosize(dq)))
+            sdQ = storage.sQ.get_tensor(staged, swizzle=sdQ_layout.inner, dtype=Float32)
+        else:
             sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
         if warp_idx < 4:
@@ -385,41 +414,46 @@ class FlashBwdSm90:
                     sQ, sK, sV, sdO, pipe, kv_bar, bytes_KV,
                     n_block, kv_head, batch, group, m_block_min, m_blocks, n_iters,
                 )
-            if cutlass.const_expr(not self.dq_red):
-                if warp_idx == DQ_WARP:
-                    self._write_dq(
-                        tma_dQ, tma_atom_dQ, sdQ, mDqSem, lo, n_block, kv_head, batch, group,
-                        m_block_min, m_blocks, n_iters,
-                    )
+            if warp_idx == DQ_WARP:
+                self._write_dq(
+                    tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, lo, n_block, kv_head, batch, group,
+                    m_block_min, m_blocks, n_iters,
+                )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._consume(
                 mLSE, mDelta, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sP, sdQ, pipe, kv_bar,
                 mma_sdp, mma_dkv, mma_dq, gmem_store_tile,
-                scale, scale_log2, lo, hi, n_block, kv_head, batch, group,
+                scale, scale_log2, softcap_in, lo, hi, n_block, kv_head, batch, group,
                 m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k, mQSeg, mKVSeg,
             )
 
     @cute.jit
     def _write_dq(
-        self, tma_dQ, tma_atom_dQ, sdQ, mDqSem, lo, n_block, kv_head, batch, group,
+        self, tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, lo, n_block, kv_head, batch, group,
         m_block_min, m_blocks, n_iters,
     ):
         """One warp: per query tile, wait for the consumers' dQ tile, add it to
         the fp32 accumulator with a TMA reduce-add and hand the buffer back as
         soon as the TMA has read it. Deterministic: first wait for the tile's
-        turn, and pass the turn on only once the addition is complete."""
+        turn, and pass the turn on only once the addition is complete.
+        dq_in_stage: the tile lies over the query tile's Q / dO stage, which
+        this warp then frees for the producer."""
         D, M, N = self.head_dim, self.m_block, self.n_block
         lane = cute.arch.lane_idx()
-        if n_iters > 0:
-            # The buffer starts empty.
-            cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=DQ_BAR_THREADS)
+        if cutlass.const_expr(not self.dq_in_stage):
+            if n_iters > 0:
+                # The buffer starts empty.
+                cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=DQ_BAR_THREADS)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         for it in cutlass.range(n_iters, unroll=1):
             head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic)
             gdQ = cute.local_tile(tma_dQ[None, None, head, batch], (M, D), (None, 0))
             tdQsdQ, tdQgdQ = cpasync.tma_partition(
                 tma_atom_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2)
             )
+            if cutlass.const_expr(self.dq_in_stage):
+                tdQsdQ = tdQsdQ[None, state.index]
             turn = mDqSem.iterator + cute.crd2idx((batch, head, m_block), mDqSem.layout)
             cute.arch.barrier(barrier_id=BAR_DQ_FULL, number_of_threads=DQ_BAR_THREADS)
             if cutlass.const_expr(self.deterministic):
@@ -435,7 +469,10 @@ class FlashBwdSm90:
                     release_add_s32(turn, Int32(1))
             else:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if it + 1 < n_iters:
+            if cutlass.const_expr(self.dq_in_stage):
+                pipe.consumer_release(state)
+                state.advance()
+            elif it + 1 < n_iters:
                 cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=DQ_BAR_THREADS)
 
     @cute.jit
@@ -480,7 +517,7 @@ class FlashBwdSm90:
     def _consume(
         self, mLSE, mDelta, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sP, sdQ, pipe, kv_bar,
         mma_sdp, mma_dkv, mma_dq, gmem_store_tile,
-        scale, scale_log2, lo, hi, n_block, kv_head, batch, group,
+        scale, scale_log2, softcap_in, lo, hi, n_block, kv_head, batch, group,
         m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k, mQSeg, mKVSeg,
     ):
         D, M, N = self.head_dim, self.m_block, self.n_block
@@ -533,16 +570,12 @@ class FlashBwdSm90:
         tdSsdS = thr_r2s.partition_D(sdS)
         if cutlass.const_expr(split):
             tPsP = thr_r2s.partition_D(sP)
-        if cutlass.const_expr(self.dq_red):
-            # (query row, column) of every dQ accumulator element.
-            tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((M, D)))
-        else:
-            # dQ: registers -> the swizzled fp32 tile, two columns per store.
-            r2s_dq = cute.make_tiled_copy_C(
-                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), mma_dq
-            )
-            thr_r2s_dq = r2s_dq.get_slice(tidx)
-            tdQsdQ = thr_r2s_dq.partition_D(sdQ)
+        # dQ: registers -> the swizzled fp32 tile, two columns per store.
+        r2s_dq = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), mma_dq
+        )
+        thr_r2s_dq = r2s_dq.get_slice(tidx)
+        tdQsdQ = thr_r2s_dq.partition_D(sdQ)  # dq_in_stage: with a stage mode
 
         # S^T and dP^T tiles: (key, query row) of every accumulator element.
         tScS = wgmma_acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((N, M))))
@@ -584,6 +617,9 @@ class FlashBwdSm90:
                 tile_differs = warp_sees_several_ids(key_seg, seg_pair)
 
             warpgroup.wait_group(1)
+            if cutlass.const_expr(self.has_softcap):
+                acc_slope = cute.make_fragment_like(acc_S)
+                cap_scores_with_slope(acc_S, acc_slope, softcap_in)
             acc_S_mn = wgmma_acc_as_rows_cols(acc_S)
             for c in cutlass.range_constexpr(n_queries):
                 lse_log2 = query_stat(lse_q, c, lane)
@@ -619,6 +655,8 @@ class FlashBwdSm90:
                 delta = query_stat(delta_q, c, lane)
                 for r in cutlass.range_constexpr(n_keys):
                     acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - delta)
+            if cutlass.const_expr(self.has_softcap):
+                acc_dP.store(acc_dP.load() * acc_slope.load())
             rdSt = cute.make_fragment_like(acc_dP, self.dtype)
             rdSt.store(acc_dP.load().to(self.dtype))
             cute.copy(r2s_sdp, thr_r2s.retile(rdSt), tdSsdS[None, None, None, s])
@@ -639,8 +677,14 @@ class FlashBwdSm90:
             # dQ leaves while the dK (and dV) GEMMs are still in flight.
             warpgroup.wait_group(2 if split else 1)
             acc_dQ.store(acc_dQ.load() * scale)
-            if cutlass.const_expr(self.dq_red):
-                red_add_rows(acc_dQ, tdQcdQ, mdQ[batch, None, head, None], m0, seqlen_q)
+            if cutlass.const_expr(self.dq_in_stage):
+                # Over this stage's Q and dO, once no GEMM of either WG reads
+                # them; the writer warp frees the stage after its TMA add.
+                warpgroup.wait_group(0)
+                cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=NUM_MMA_THREADS)
+                cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQsdQ[None, None, None, s])
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=DQ_BAR_THREADS)
             else:
                 # To shared memory, for the writer warp's TMA add.
                 cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=DQ_BAR_THREADS)
@@ -648,7 +692,8 @@ class FlashBwdSm90:
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=DQ_BAR_THREADS)
             warpgroup.wait_group(0)
-            pipe.consumer_release(state)
+            if cutlass.const_expr(not self.dq_in_stage):
+                pipe.consumer_release(state)
             state.advance()
 
         # ---- epilogue: dK, dV staged through sK / sV (no GEMM reads them now).

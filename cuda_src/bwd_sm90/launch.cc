@@ -42,19 +42,22 @@ using jax_flash_launch::Fail;
 JF_BWD_SM90_VARIANTS_SM90A(JF_BWD_DEFINE_LAUNCH)
 JF_BWD_SM90_DET_VARIANTS_SM90A(JF_BWD_DEFINE_LAUNCH)
 JF_BWD_SM90_SEG_VARIANTS_SM90A(JF_BWD_DEFINE_SEG_LAUNCH)
+JF_BWD_SM90_CAP_VARIANTS_SM90A(JF_BWD_DEFINE_LAUNCH)
 #undef JF_BWD_DEFINE_SEG_LAUNCH
 #undef JF_BWD_DEFINE_LAUNCH
 #undef JF_BWD_SM90_SEG_ARGS
 
 using LaunchFn = int (*)(const BwdLaunchArgs&, cudaStream_t, char*, size_t);
 
-// No variant is both deterministic and packed-document (kernel.py says why):
-// those problems run on the sm80 backward.
-LaunchFn FindVariant(int arch, JfDtype dtype, int head_dim, bool deterministic, bool segments) {
+// No variant is both deterministic and packed-document, nor soft-capped and
+// either (kernel.py says why): those problems run on the sm80 backward.
+LaunchFn FindVariant(int arch, JfDtype dtype, int head_dim, bool deterministic, bool segments, bool softcap) {
 #define JF_BWD_MATCH(ARCH, DTYPE, HDIM, PREFIX) \
   if (dtype == DTYPE && head_dim == HDIM) return &Launch_##PREFIX;
-  if (arch != 90 || (deterministic && segments)) return nullptr;
-  if (segments) {
+  if (arch != 90 || (deterministic && segments) || (softcap && (deterministic || segments))) return nullptr;
+  if (softcap) {
+    JF_BWD_SM90_CAP_VARIANTS_SM90A(JF_BWD_MATCH)
+  } else if (segments) {
     JF_BWD_SM90_SEG_VARIANTS_SM90A(JF_BWD_MATCH)
   } else if (deterministic) {
     JF_BWD_SM90_DET_VARIANTS_SM90A(JF_BWD_MATCH)
@@ -72,10 +75,8 @@ constexpr const char* kWho = "jax_flash_bwd_sm90";
 extern "C" int jax_flash_bwd_sm90_can_implement(const JfProblem* p) {
   if (p == nullptr) return 0;
   if (p->dtype != JF_FLOAT16 && p->dtype != JF_BFLOAT16) return 0;
-  // Soft capping is not built into this family (kernel.py says why).
-  if (p->softcap != 0.0f) return 0;
   if (p->head_dim != p->head_dim_v ||
-      FindVariant(90, p->dtype, p->head_dim, p->deterministic == 1, p->has_segments == 1) == nullptr)
+      FindVariant(90, p->dtype, p->head_dim, p->deterministic == 1, p->has_segments == 1, p->softcap != 0.0f) == nullptr)
     return 0;
   if (p->batch > 65535 || p->heads_kv > 65535) return 0;
   int arch = 0;
@@ -100,11 +101,11 @@ extern "C" int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream_ptr, char*
   if (p.head_dim != p.head_dim_v)
     return Fail(err, err_len, "jax_flash_bwd_sm90: head_dim_v (%d) must equal head_dim (%d)", p.head_dim_v,
                 p.head_dim);
-  if (FindVariant(90, p.dtype, p.head_dim, p.deterministic == 1, p.has_segments == 1) == nullptr)
+  if (FindVariant(90, p.dtype, p.head_dim, p.deterministic == 1, p.has_segments == 1, p.softcap != 0.0f) == nullptr)
     return Fail(err, err_len,
-                "jax_flash_bwd_sm90: no variant for head_dim %d, deterministic %d, has_segments %d "
-                "(built: bwd_sm90_variants_sm_90a.h; none both deterministic and packed-document)",
-                p.head_dim, p.deterministic, p.has_segments);
+                "jax_flash_bwd_sm90: no variant for head_dim %d, deterministic %d, has_segments %d, "
+                "softcap %g (built: bwd_sm90_variants_sm_90a.h)",
+                p.head_dim, p.deterministic, p.has_segments, double(p.softcap));
   if (!(p.scale == p.scale) || p.scale == INFINITY || p.scale == -INFINITY)
     return Fail(err, err_len, "jax_flash_bwd_sm90: scale must be finite");
   if (jax_flash_launch::CheckOptions(p, "jax_flash_bwd_sm90", err, err_len) != 0) return 1;
@@ -122,9 +123,8 @@ extern "C" int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream_ptr, char*
 
   int arch = 0;
   if (jax_flash_launch::CurrentBwdArch(/*has_sm80=*/false, kWho, err, err_len, &arch) != 0) return 1;
-  if (p.softcap != 0.0f)
-    return Fail(err, err_len, "jax_flash_bwd_sm90: softcap is not supported (the sm80 backward serves it)");
-  LaunchFn launch = FindVariant(arch, p.dtype, p.head_dim, p.deterministic == 1, p.has_segments == 1);
+  LaunchFn launch =
+      FindVariant(arch, p.dtype, p.head_dim, p.deterministic == 1, p.has_segments == 1, p.softcap != 0.0f);
   if (launch == nullptr)
     return Fail(err, err_len, "jax_flash_bwd_sm90: no kernel for compute capability %d.x (needs 9.x)",
                 arch > 0 ? arch / 10 : -arch);

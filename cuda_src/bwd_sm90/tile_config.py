@@ -13,10 +13,11 @@ class TileConfig:
     # (and the query rows of S^T, dP^T) instead of the keys, so that each
     # holds half of dK and dV; P^T then goes through shared memory too.
     split_head_dim: bool = False
-    # dQ added to global memory by the consumers (red.global.add.v2.f32)
-    # instead of through a shared fp32 tile and the writer warp's TMA, for
-    # want of shared memory; not deterministic.
-    dq_red: bool = False
+    # dQ's fp32 tile written over the Q / dO stage it came from (4 M D bytes
+    # either way), freed by the writer warp after its TMA add: no shared
+    # memory of its own, at the price of waiting for the dK / dV GEMMs
+    # before the tile is written.
+    dq_in_stage: bool = False
 
 
 # Frozen per head dim. n_block = 128 puts one 64-row WGMMA per consumer WG in
@@ -36,16 +37,20 @@ class TileConfig:
 # dK and dV are then 64 floats each per thread at hd256 (128 keys would need
 # 256), S^T and dP^T 16. Shared memory is full at both (224 KiB: Q, dO in
 # two stages, K, V, P^T and dS^T double buffered, hd192's 48 KiB dQ tile);
-# hd256 has no room for its 64 KiB dQ tile and adds dQ with red.global.
-# H100 (same setting as above, results runs 19 and 20): hd192 378-390 /
-# 376-378 (cuDNN 295-302 / 310-319); hd256 275-288 / 272-285 (cuDNN 342 /
-# 365-370; the sm80 kernel ran 166). What red.global costs, timed at hd192:
-# 258 / 255 against 385 / 376 with the tile; at hd256 one Q/dO stage with
-# the tile ran 267 / 277, red.global.add.v4 272 / 270.
+# hd256 has no room for its 64 KiB dQ tile and writes dQ over its spent Q /
+# dO stage (dq_in_stage).
+# H100 (same setting as above, results runs 19 to 21): hd192 378-394 /
+# 376-382 (cuDNN 295-306 / 310-321); hd256 with dq_in_stage 393-394 / 400-401
+# (cuDNN 350-354 / 365-373; run 21). Alternatives timed in the same runs: hd256
+# adding dQ from the consumers with red.global.add.v2 (no dQ tile) 275-288 /
+# 272-285, with red.global.add.v4 272 / 270, one Q/dO stage and its own dQ
+# tile 267 / 277 (the sm80 kernel ran 166); hd192 with dq_in_stage 348 /
+# 351 (its own tile: 390 / 382 in the same run), with red.global 258 / 255.
+# hd128 with dq_in_stage and three stages: 487 / 442 (shipped 493 / 454).
 TILE_CONFIGS = {
     64: TileConfig(m_block=64, n_block=128, stages=2),
     96: TileConfig(m_block=64, n_block=128, stages=2),
     128: TileConfig(m_block=64, n_block=128, stages=2),
     192: TileConfig(m_block=64, n_block=64, stages=2, split_head_dim=True),
-    256: TileConfig(m_block=64, n_block=64, stages=2, split_head_dim=True, dq_red=True),
+    256: TileConfig(m_block=64, n_block=64, stages=2, split_head_dim=True, dq_in_stage=True),
 }

@@ -252,15 +252,3 @@ def query_tile_of(it, kv_head, group, m_block_min, m_blocks, deterministic):
         head = kv_head * group + it % group
         m_block = m_block_min + m_blocks - 1 - it // group
     return head, m_block
-
-
-@cute.jit
-def red_add_rows(acc: cute.Tensor, coords: cute.Tensor, mX: cute.Tensor, row0, rows):
-    """mX[row0 + r, c] += acc element for element, (r, c) = coords of the
-    element (a WGMMA accumulator: elements 2i and 2i + 1 are neighbouring
-    columns of one row, so each pair is one red.global.add.v2.f32); rows at
-    or past `rows` are skipped."""
-    for i in cutlass.range_constexpr(0, cute.size(acc), 2):
-        row, col = coords[i]
-        if row0 + row < rows:
-            red_add_v2_f32(mX.iterator + cute.crd2idx((row0 + row, col), mX.layout), acc[i], acc[i + 1])
