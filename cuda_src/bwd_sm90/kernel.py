@@ -60,12 +60,9 @@ from cutlass.utils import LayoutEnum
 from common.dsl_common import (
     cap_scores_with_slope,
     logit_scales,
-    first_kv_block_seeing,
     query_tile_of,
-    release_add_s32,
     segment_bounds_union,
     store_existing_rows,
-    wait_at_least,
     wgmma_acc_as_operand_a,
     wgmma_acc_as_rows_cols,
 )
@@ -77,33 +74,30 @@ from transposed_scores import (
     warp_sees_several_ids,
     zero_hidden_pairs,
 )
+from warp_roles import (
+    BAR_DQ_EMPTY,
+    BAR_DQ_FULL,
+    BAR_EPI,
+    BAR_PDS,
+    CONSUMER_REGS,
+    DQ_BAR_THREADS,
+    DQ_WARP,
+    LOAD_WARP,
+    NUM_MMA_THREADS,
+    NUM_MMA_WG,
+    NUM_THREADS,
+    NUM_WARPS,
+    PRODUCER_REGS,
+    WG_THREADS,
+    ProducerWarps,
+)
 
 LOG2E = math.log2(math.e)
-WG_THREADS = 128
-NUM_MMA_WG = 2
-NUM_MMA_THREADS = NUM_MMA_WG * WG_THREADS
-NUM_THREADS = WG_THREADS + NUM_MMA_THREADS  # producer WG + 2 consumer WGs
-NUM_WARPS = NUM_THREADS // 32
-WARP_THREADS = 32
-LOAD_WARP = 0  # TMA loads of K, V, Q, dO
-DQ_WARP = 1  # TMA reduce-add of dQ
-# setmaxnreg budgets: 24 + 2 * 240 <= 504 (64K registers / 128 threads of
-# each WG, rounded to the granularity of 8). The consumers hold dK and dV
-# (2 * n_block * head_dim / 256 floats) plus S, dP and dQ fragments.
-PRODUCER_REGS = 24
-CONSUMER_REGS = 240
 SMEM_CAPACITY_SM90 = 227 * 1024
 WGMMA_M = 64
-# Named barriers (0 is __syncthreads).
-BAR_PDS = 1  # P and dS of a query tile are in shared memory
-BAR_EPI = 2  # epilogue staging through sK / sV
-BAR_DQ_EMPTY = 3  # the dQ tile in shared memory may be overwritten
-# (dq_in_stage: both consumer WGs are done with the Q / dO stage)
-BAR_DQ_FULL = 4  # the consumers wrote the dQ tile
-DQ_BAR_THREADS = NUM_MMA_THREADS + WARP_THREADS
 
 
-class FlashBwdSm90:
+class FlashBwdSm90(ProducerWarps):
     """deterministic=True builds the variant that adds dQ in KV-tile order
     (the writer warp waits for each tile's turn). It is a compile-time
     choice, unlike in the sm80 family, so that the plain variant carries no
@@ -255,24 +249,27 @@ class FlashBwdSm90:
         tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), seq_major(mdQ), sdQ_layout, (M, D)
         )
-        p_cosize = cute.cosize(sdS_layout) if split else 1
-        dq_cosize = 1 if self.dq_in_stage else cute.cosize(sdQ_layout)
+
+        def buffer(dtype, cosize, used=True):
+            # An unused one is empty and unaligned: 1024 bytes of alignment
+            # each would not fit at hd256.
+            return cute.struct.Align[cute.struct.MemRange[dtype, cosize], 1024] if used else cute.struct.MemRange[dtype, 0]
 
         @cute.struct
         class SharedStorage:
             pipe_bar: cute.struct.MemRange[cutlass.Int64, 2 * st]
             kv_bar: cute.struct.MemRange[cutlass.Int64, 1]
             # dq_in_stage: sQ holds Q and dO of each stage side by side
-            # (sdO unused), the fp32 dQ tile's 4 M D bytes exactly.
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, (2 if self.dq_in_stage else 1) * cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, 1 if self.dq_in_stage else cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_cosize], 1024]
+            # (no sdO, no sdQ), the fp32 dQ tile's 4 M D bytes exactly.
+            sQ: buffer(self.dtype, (2 if self.dq_in_stage else 1) * cute.cosize(sQ_layout))
+            sdO: buffer(self.dtype, cute.cosize(sQ_layout), not self.dq_in_stage)
+            sK: buffer(self.dtype, cute.cosize(sK_layout))
+            sV: buffer(self.dtype, cute.cosize(sV_layout))
+            sdS: buffer(self.dtype, cute.cosize(sdS_layout))
+            sdQ: buffer(Float32, cute.cosize(sdQ_layout), not self.dq_in_stage)
             # Per-warp partial (min first, max last) of the keys' q_bounds.
             sSegRange: cute.struct.MemRange[Int32, 2 * NUM_WARPS]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_cosize], 1024]  # split_head_dim
+            sP: buffer(self.dtype, cute.cosize(sdS_layout), split)
 
         # 16-byte row stores of dK/dV from the staged shared tile.
         vec = 128 // self.dtype.width
@@ -427,91 +424,6 @@ class FlashBwdSm90:
                 scale, scale_log2, softcap_in, lo, hi, n_block, kv_head, batch, group,
                 m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k, mQSeg, mKVSeg,
             )
-
-    @cute.jit
-    def _write_dq(
-        self, tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, lo, n_block, kv_head, batch, group,
-        m_block_min, m_blocks, n_iters,
-    ):
-        """One warp: per query tile, wait for the consumers' dQ tile, add it to
-        the fp32 accumulator with a TMA reduce-add and hand the buffer back as
-        soon as the TMA has read it. Deterministic: first wait for the tile's
-        turn, and pass the turn on only once the addition is complete.
-        dq_in_stage: the tile lies over the query tile's Q / dO stage, which
-        this warp then frees for the producer."""
-        D, M, N = self.head_dim, self.m_block, self.n_block
-        lane = cute.arch.lane_idx()
-        if cutlass.const_expr(not self.dq_in_stage):
-            if n_iters > 0:
-                # The buffer starts empty.
-                cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=DQ_BAR_THREADS)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        for it in cutlass.range(n_iters, unroll=1):
-            head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic)
-            gdQ = cute.local_tile(tma_dQ[None, None, head, batch], (M, D), (None, 0))
-            tdQsdQ, tdQgdQ = cpasync.tma_partition(
-                tma_atom_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2)
-            )
-            if cutlass.const_expr(self.dq_in_stage):
-                tdQsdQ = tdQsdQ[None, state.index]
-            turn = mDqSem.iterator + cute.crd2idx((batch, head, m_block), mDqSem.layout)
-            cute.arch.barrier(barrier_id=BAR_DQ_FULL, number_of_threads=DQ_BAR_THREADS)
-            if cutlass.const_expr(self.deterministic):
-                # Every earlier KV tile that sees this query tile has added.
-                if lane == 0:
-                    wait_at_least(turn, n_block - first_kv_block_seeing(m_block, M, N, lo))
-                cute.arch.sync_warp()
-            cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, m_block])
-            cute.arch.cp_async_bulk_commit_group()
-            if cutlass.const_expr(self.deterministic):
-                cute.arch.cp_async_bulk_wait_group(0, read=False)
-                if lane == 0:
-                    release_add_s32(turn, Int32(1))
-            else:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if cutlass.const_expr(self.dq_in_stage):
-                pipe.consumer_release(state)
-                state.advance()
-            elif it + 1 < n_iters:
-                cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=DQ_BAR_THREADS)
-
-    @cute.jit
-    def _produce(
-        self, tma_Q, tma_K, tma_V, tma_dO, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
-        sQ, sK, sV, sdO, pipe, kv_bar, bytes_KV,
-        n_block, kv_head, batch, group, m_block_min, m_blocks, n_iters,
-    ):
-        D, M, N = self.head_dim, self.m_block, self.n_block
-        if n_iters > 0:
-            gK = cute.local_tile(tma_K[None, None, kv_head, batch], (N, D), (None, 0))
-            gV = cute.local_tile(tma_V[None, None, kv_head, batch], (N, D), (None, 0))
-            tKsK, tKgK = cpasync.tma_partition(
-                tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-            )
-            tVsV, tVgV = cpasync.tma_partition(
-                tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-            )
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(kv_bar, bytes_KV)
-            cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=kv_bar)
-            cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=kv_bar)
-
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        for it in cutlass.range(n_iters, unroll=1):
-            head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic)
-            gQ = cute.local_tile(tma_Q[None, None, head, batch], (M, D), (None, 0))
-            gdO = cute.local_tile(tma_dO[None, None, head, batch], (M, D), (None, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(
-                tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-            )
-            tdOsdO, tdOgdO = cpasync.tma_partition(
-                tma_atom_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2)
-            )
-            pipe.producer_acquire(state)
-            bar = pipe.producer_get_barrier(state)
-            cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
-            cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
-            state.advance()
 
     @cute.jit
     def _consume(

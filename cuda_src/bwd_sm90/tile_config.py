@@ -47,6 +47,11 @@ class TileConfig:
 # tile 267 / 277 (the sm80 kernel ran 166); hd192 with dq_in_stage 348 /
 # 351 (its own tile: 390 / 382 in the same run), with red.global 258 / 255.
 # hd128 with dq_in_stage and three stages: 487 / 442 (shipped 493 / 454).
+# Run 24: one WG computing S^T and the other dP^T, each for all 64 query
+# rows (64-wide WGMMAs instead of two 32-wide ones), and dS^T from P^T in
+# shared memory: hd192 385 / 380, hd256 388 / 385 against 382-390 / 380-383
+# and 381-387 / 392-394 shipped, so the 32-wide score GEMMs are not what
+# holds these head dims back (that trial also had a dQ bug; not kept).
 TILE_CONFIGS = {
     64: TileConfig(m_block=64, n_block=128, stages=2),
     96: TileConfig(m_block=64, n_block=128, stages=2),

@@ -1,0 +1,123 @@
+"""Who does what in a CTA of the sm90 backward (kernel.py): thread counts,
+register budgets and named barriers, and the two warps of the producer
+warpgroup, which the kernel class inherits (ProducerWarps): the TMA loads of
+K, V, Q and dO, and the TMA reduce-add of each query tile's dQ."""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Int32
+from cutlass.cute.nvgpu import cpasync
+
+from common.dsl_common import first_kv_block_seeing, query_tile_of, release_add_s32, wait_at_least
+
+WG_THREADS = 128
+NUM_MMA_WG = 2
+NUM_MMA_THREADS = NUM_MMA_WG * WG_THREADS
+NUM_THREADS = WG_THREADS + NUM_MMA_THREADS  # producer WG + 2 consumer WGs
+NUM_WARPS = NUM_THREADS // 32
+WARP_THREADS = 32
+LOAD_WARP = 0  # TMA loads of K, V, Q, dO
+DQ_WARP = 1  # TMA reduce-add of dQ
+# setmaxnreg budgets: 24 + 2 * 240 <= 504 (64K registers / 128 threads of
+# each WG, rounded to the granularity of 8). The consumers hold dK and dV
+# (2 * n_block * head_dim / 256 floats) plus S, dP and dQ fragments.
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
+# Named barriers (0 is __syncthreads).
+BAR_PDS = 1  # P and dS of a query tile are in shared memory
+BAR_EPI = 2  # epilogue staging through sK / sV
+BAR_DQ_EMPTY = 3  # the dQ tile in shared memory may be overwritten
+# (dq_in_stage: both consumer WGs are done with the Q / dO stage)
+BAR_DQ_FULL = 4  # the consumers wrote the dQ tile
+DQ_BAR_THREADS = NUM_MMA_THREADS + WARP_THREADS
+
+
+class ProducerWarps:
+    """Needs head_dim, m_block, n_block, stages, deterministic and
+    dq_in_stage (set by FlashBwdSm90.__init__)."""
+
+    @cute.jit
+    def _write_dq(
+        self, tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, lo, n_block, kv_head, batch, group,
+        m_block_min, m_blocks, n_iters,
+    ):
+        """One warp: per query tile, wait for the consumers' dQ tile, add it to
+        the fp32 accumulator with a TMA reduce-add and hand the buffer back as
+        soon as the TMA has read it. Deterministic: first wait for the tile's
+        turn, and pass the turn on only once the addition is complete.
+        dq_in_stage: the tile lies over the query tile's Q / dO stage, which
+        this warp then frees for the producer."""
+        D, M, N = self.head_dim, self.m_block, self.n_block
+        lane = cute.arch.lane_idx()
+        if cutlass.const_expr(not self.dq_in_stage):
+            if n_iters > 0:
+                # The buffer starts empty.
+                cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=DQ_BAR_THREADS)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for it in cutlass.range(n_iters, unroll=1):
+            head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic)
+            gdQ = cute.local_tile(tma_dQ[None, None, head, batch], (M, D), (None, 0))
+            tdQsdQ, tdQgdQ = cpasync.tma_partition(
+                tma_atom_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2)
+            )
+            if cutlass.const_expr(self.dq_in_stage):
+                tdQsdQ = tdQsdQ[None, state.index]
+            turn = mDqSem.iterator + cute.crd2idx((batch, head, m_block), mDqSem.layout)
+            cute.arch.barrier(barrier_id=BAR_DQ_FULL, number_of_threads=DQ_BAR_THREADS)
+            if cutlass.const_expr(self.deterministic):
+                # Every earlier KV tile that sees this query tile has added.
+                if lane == 0:
+                    wait_at_least(turn, n_block - first_kv_block_seeing(m_block, M, N, lo))
+                cute.arch.sync_warp()
+            cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, m_block])
+            cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                if lane == 0:
+                    release_add_s32(turn, Int32(1))
+            else:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if cutlass.const_expr(self.dq_in_stage):
+                pipe.consumer_release(state)
+                state.advance()
+            elif it + 1 < n_iters:
+                cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=DQ_BAR_THREADS)
+
+    @cute.jit
+    def _produce(
+        self, tma_Q, tma_K, tma_V, tma_dO, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
+        sQ, sK, sV, sdO, pipe, kv_bar, bytes_KV,
+        n_block, kv_head, batch, group, m_block_min, m_blocks, n_iters,
+    ):
+        D, M, N = self.head_dim, self.m_block, self.n_block
+        if n_iters > 0:
+            gK = cute.local_tile(tma_K[None, None, kv_head, batch], (N, D), (None, 0))
+            gV = cute.local_tile(tma_V[None, None, kv_head, batch], (N, D), (None, 0))
+            tKsK, tKgK = cpasync.tma_partition(
+                tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+            )
+            tVsV, tVgV = cpasync.tma_partition(
+                tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+            )
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(kv_bar, bytes_KV)
+            cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=kv_bar)
+            cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=kv_bar)
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for it in cutlass.range(n_iters, unroll=1):
+            head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic)
+            gQ = cute.local_tile(tma_Q[None, None, head, batch], (M, D), (None, 0))
+            gdO = cute.local_tile(tma_dO[None, None, head, batch], (M, D), (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            )
+            tdOsdO, tdOgdO = cpasync.tma_partition(
+                tma_atom_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2)
+            )
+            pipe.producer_acquire(state)
+            bar = pipe.producer_get_barrier(state)
+            cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
+            cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
+            state.advance()
