@@ -3,13 +3,16 @@
     python cuda_src/fwd_sm90/export.py --arch sm_90a --out DIR
 
 writes DIR/<name>.o and DIR/<name>.h per (dtype, head_dim) variant, plain
-(jf_fwd90_*) and packed-document (jf_fwdseg90_*, has_segments=True, compiled
+(jf_fwd90_*), packed-document (jf_fwdseg90_*, has_segments=True, compiled
 from FlashFwdSm90.call_with_segments, which takes the three segment tensors
-after the stream), and
+after the stream) and short causal (jf_fwdshort90_*, the head dims of
+SHORT_CAUSAL_TILE), and
 DIR/fwd_sm90_variants_sm_90a.h, which includes them all and defines
 
-    JF_FWD_SM90_VARIANTS_SM_90A(X)      ->  X(arch, JfDtype, head_dim, prefix) ...
-    JF_FWD_SM90_SEG_VARIANTS_SM_90A(X)  ->  the same for the segment variants
+    JF_FWD_SM90_VARIANTS_SM_90A(X)        ->  X(arch, JfDtype, head_dim, prefix) ...
+    JF_FWD_SM90_SEG_VARIANTS_SM_90A(X)    ->  the same for the segment variants
+    JF_FWD_SM90_SHORT_VARIANTS_SM_90A(X)  ->  X(arch, JfDtype, head_dim, prefix,
+                                              largest seqlen_q) ...
 
 for launch.cc. The tensor and scalar signature is the sm80 kernel's, so the
 generated wrappers take the same descriptors. `--only` and the kernel flags
@@ -60,8 +63,8 @@ def _parse_args():
     return args
 
 
-def variant_name(arch: str, dtype_tag: str, head_dim: int, has_segments: bool) -> str:
-    family = "fwdseg90" if has_segments else "fwd90"
+def variant_name(arch: str, dtype_tag: str, head_dim: int, has_segments: bool, short: bool = False) -> str:
+    family = "fwdshort90" if short else "fwdseg90" if has_segments else "fwd90"
     return f"jf_{family}_{arch}_{dtype_tag}_hd{head_dim}"
 
 
@@ -87,15 +90,15 @@ def main():
     args = _parse_args()
     import cutlass
     import cutlass.cute as cute
-    from kernel import FlashFwdSm90
+    from kernel import SHORT_CAUSAL_TILE, FlashFwdSm90
 
-    def compile_fn(dtype, head_dim, has_segments):
+    def compile_fn(dtype, head_dim, has_segments, consumers=None):
         kernel = FlashFwdSm90(
             dtype, head_dim,
             conditional_rescale=not args.no_conditional_rescale,
             pingpong=not args.no_pingpong,
             tile_n=args.tile_n, kv_stages=args.stages,
-            has_segments=has_segments, consumers=args.consumers,
+            has_segments=has_segments, consumers=args.consumers or consumers,
         )
         entry = kernel.call_with_segments if has_segments else kernel
         return lambda: cute.compile(entry, *_fake_args(dtype, head_dim, has_segments))
@@ -114,6 +117,14 @@ def main():
                     continue
                 variants.append((name, compile_fn(dtype, head_dim, has_segments)))
                 built[has_segments].append(f"{args.arch}, {enum_name}, {head_dim}, {name}")
+    short_built = []
+    for dtype_tag, enum_name, cutlass_name in DTYPES:
+        for head_dim, (consumers, max_seqlen_q) in sorted(SHORT_CAUSAL_TILE.items()):
+            name = variant_name(args.arch, dtype_tag, head_dim, False, short=True)
+            if only is not None and name not in only:
+                continue
+            variants.append((name, compile_fn(getattr(cutlass, cutlass_name), head_dim, False, consumers)))
+            short_built.append(f"{args.arch}, {enum_name}, {head_dim}, {name}, {max_seqlen_q}")
 
     names = export_variants(args.out, variants)
     arch_macro = args.arch.upper()
@@ -126,6 +137,9 @@ def main():
             (f"X(arch, JfDtype, head_dim, prefix) for every exported {args.arch} {kind} variant.",
              f"JF_FWD_SM90_{macro}_{arch_macro}", built[has_segments])
             for has_segments, macro, kind in ((False, "VARIANTS", "plain"), (True, "SEG_VARIANTS", "packed-document"))
+        ] + [
+            (f"X(arch, JfDtype, head_dim, prefix, largest seqlen_q) for every exported {args.arch} "
+             "short causal variant.", f"JF_FWD_SM90_SHORT_VARIANTS_{arch_macro}", short_built),
         ],
     )
 

@@ -90,6 +90,14 @@ TILE_CONFIG = {
     256: (80, 2, 2),
 }
 
+# Short causal-like problems (right window bounded, seqlen_q up to the bound):
+# head_dim -> (consumer warpgroups, largest seqlen_q). 128-row tiles waste
+# less on the diagonal, and 1024 rows are 8 of them, not 5 1/3 of 192. H100,
+# bf16, 16k tokens, TFLOPS (results run 27): hd64 causal 1024 with two 228,
+# three 202-208 (cuDNN 275-284); at 2048 300 vs 307-313, and non-causal 1024
+# 343 vs 359-365, which keep three. Run 28, shipped: 230 (cuDNN 273).
+SHORT_CAUSAL_TILE = {64: (2, 1024)}
+
 
 class FlashFwdSm90:
     """Forward attention for one dtype and head dim (head_dim_v == head_dim)."""

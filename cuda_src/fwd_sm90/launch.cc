@@ -44,8 +44,12 @@ using jax_flash_launch::Prod;
 
 #define JF_FWD_ENTRY "jax_flash_fwd_sm90"
 
+#define JF_DEFINE_FWD_SHORT_VARIANT(arch_tag, dtype_enum, hd, prefix, max_seqlen_q) \
+  JF_DEFINE_FWD_VARIANT(arch_tag, dtype_enum, hd, prefix)
 JF_FWD_SM90_VARIANTS_SM_90A(JF_DEFINE_FWD_VARIANT)
 JF_FWD_SM90_SEG_VARIANTS_SM_90A(JF_DEFINE_FWD_SEG_VARIANT)
+JF_FWD_SM90_SHORT_VARIANTS_SM_90A(JF_DEFINE_FWD_SHORT_VARIANT)
+#undef JF_DEFINE_FWD_SHORT_VARIANT
 #undef JF_FWD_ENTRY
 
 using LaunchFn = int (*)(const JfFwdArgs&, cudaStream_t, char*, size_t);
@@ -64,7 +68,16 @@ LaunchFn FindVariant(JfDtype dtype, int head_dim, int head_dim_v, int has_segmen
   return nullptr;
 }
 
+// Short causal-like problems (the right edge of the window bounded) have
+// their own tiles at some head dims (SHORT_CAUSAL_TILE in kernel.py says
+// which and why); every other problem runs the plain or segment variant.
 LaunchFn FindVariant(const JfProblem& p) {
+  if (p.has_segments == 0 && p.window_right >= 0 && p.head_dim == p.head_dim_v) {
+#define JF_MATCH_SHORT_VARIANT(arch_tag, dtype_enum, hd, prefix, max_seqlen_q) \
+  if (p.dtype == dtype_enum && p.head_dim == hd && p.seqlen_q <= max_seqlen_q) return Launch_##prefix;
+    JF_FWD_SM90_SHORT_VARIANTS_SM_90A(JF_MATCH_SHORT_VARIANT)
+#undef JF_MATCH_SHORT_VARIANT
+  }
   return FindVariant(p.dtype, p.head_dim, p.head_dim_v, p.has_segments);
 }
 
