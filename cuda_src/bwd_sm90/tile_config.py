@@ -52,6 +52,16 @@ class TileConfig:
 # shared memory: hd192 385 / 380, hd256 388 / 385 against 382-390 / 380-383
 # and 381-387 / 392-394 shipped, so the 32-wide score GEMMs are not what
 # holds these head dims back (that trial also had a dQ bug; not kept).
+# Runs 27 (H100) and 9 (H200), hd64 / hd128 at 64 x 128, not kept: lse and
+# delta loaded before the S^T / dP^T GEMMs are issued, with an immediate
+# shuffle source lane, hd64 338 / 318 and hd128 449 / 439 against 343-349 /
+# 319-326 and 474-483 / 442-449 shipped; the same plus dV issued after dS^T
+# (the FlashAttention-3 order) 335 / 315 and 454 / 430; K and V held in
+# registers as the A operands of S^T and dP^T (hd64, H200) 346 / 323 against
+# 343-347 / 319-322. 128 query rows at hd64 (FlashAttention-3's tile) compile
+# only with every WGMMA serialised by ptxas (S^T and dP^T then hold 64 floats
+# each next to dK and dV), as does issuing the next tile's S^T / dP^T across
+# the loop turn.
 TILE_CONFIGS = {
     64: TileConfig(m_block=64, n_block=128, stages=2),
     96: TileConfig(m_block=64, n_block=128, stages=2),
