@@ -5,14 +5,14 @@
 writes DIR/<name>.o and DIR/<name>.h per (dtype, head_dim) variant, plain
 (jf_fwd90_*), packed-document (jf_fwdseg90_*, has_segments=True, compiled
 from FlashFwdSm90.call_with_segments, which takes the three segment tensors
-after the stream) and short causal (jf_fwdshort90_*, the head dims of
-SHORT_CAUSAL_TILE), and
+after the stream) and short-sequence (jf_fwdshort90_*, the head dims of
+SHORT_TILE in tile_config.py), and
 DIR/fwd_sm90_variants_sm_90a.h, which includes them all and defines
 
     JF_FWD_SM90_VARIANTS_SM_90A(X)        ->  X(arch, JfDtype, head_dim, prefix) ...
     JF_FWD_SM90_SEG_VARIANTS_SM_90A(X)    ->  the same for the segment variants
     JF_FWD_SM90_SHORT_VARIANTS_SM_90A(X)  ->  X(arch, JfDtype, head_dim, prefix,
-                                              largest seqlen_q) ...
+                                              max_seqlen_q_causal, max_seqlen_q) ...
 
 for launch.cc. The tensor and scalar signature is the sm80 kernel's, so the
 generated wrappers take the same descriptors. `--only` and the kernel flags
@@ -56,6 +56,7 @@ def _parse_args():
     parser.add_argument("--tile-n", type=int, default=None)
     parser.add_argument("--stages", type=int, default=None)
     parser.add_argument("--consumers", type=int, default=None, help="consumer warpgroups (64 rows each)")
+    parser.add_argument("--ctas-per-sm", type=int, default=None)
     args = parser.parse_args()
     # The DSL picks its target when cutlass is first imported; on a machine
     # without a GPU it would otherwise default to sm_100a.
@@ -90,15 +91,19 @@ def main():
     args = _parse_args()
     import cutlass
     import cutlass.cute as cute
-    from kernel import SHORT_CAUSAL_TILE, FlashFwdSm90
+    from kernel import FlashFwdSm90
+    from tile_config import SHORT_TILE
 
-    def compile_fn(dtype, head_dim, has_segments, consumers=None):
+    def compile_fn(dtype, head_dim, has_segments, short=None):
         kernel = FlashFwdSm90(
             dtype, head_dim,
             conditional_rescale=not args.no_conditional_rescale,
             pingpong=not args.no_pingpong,
-            tile_n=args.tile_n, kv_stages=args.stages,
-            has_segments=has_segments, consumers=args.consumers or consumers,
+            tile_n=args.tile_n,
+            kv_stages=args.stages or (short and short.kv_stages),
+            has_segments=has_segments,
+            consumers=args.consumers or (short and short.consumers),
+            ctas_per_sm=args.ctas_per_sm or (short.ctas_per_sm if short else 1),
         )
         entry = kernel.call_with_segments if has_segments else kernel
         return lambda: cute.compile(entry, *_fake_args(dtype, head_dim, has_segments))
@@ -119,12 +124,13 @@ def main():
                 built[has_segments].append(f"{args.arch}, {enum_name}, {head_dim}, {name}")
     short_built = []
     for dtype_tag, enum_name, cutlass_name in DTYPES:
-        for head_dim, (consumers, max_seqlen_q) in sorted(SHORT_CAUSAL_TILE.items()):
+        for head_dim, short in sorted(SHORT_TILE.items()):
             name = variant_name(args.arch, dtype_tag, head_dim, False, short=True)
             if only is not None and name not in only:
                 continue
-            variants.append((name, compile_fn(getattr(cutlass, cutlass_name), head_dim, False, consumers)))
-            short_built.append(f"{args.arch}, {enum_name}, {head_dim}, {name}, {max_seqlen_q}")
+            variants.append((name, compile_fn(getattr(cutlass, cutlass_name), head_dim, False, short)))
+            short_built.append(f"{args.arch}, {enum_name}, {head_dim}, {name}, "
+                               f"{short.max_seqlen_q_causal}, {short.max_seqlen_q}")
 
     names = export_variants(args.out, variants)
     arch_macro = args.arch.upper()
@@ -138,8 +144,8 @@ def main():
              f"JF_FWD_SM90_{macro}_{arch_macro}", built[has_segments])
             for has_segments, macro, kind in ((False, "VARIANTS", "plain"), (True, "SEG_VARIANTS", "packed-document"))
         ] + [
-            (f"X(arch, JfDtype, head_dim, prefix, largest seqlen_q) for every exported {args.arch} "
-             "short causal variant.", f"JF_FWD_SM90_SHORT_VARIANTS_{arch_macro}", short_built),
+            (f"X(arch, JfDtype, head_dim, prefix, max_seqlen_q_causal, max_seqlen_q) for every exported "
+             f"{args.arch} short-sequence variant.", f"JF_FWD_SM90_SHORT_VARIANTS_{arch_macro}", short_built),
         ],
     )
 

@@ -1,8 +1,8 @@
 """FlashAttention forward kernel for Hopper (sm_90a) written in the CuTe DSL.
 
 One CTA computes one (query tile, query head, batch) triple with a producer
-warpgroup and two or three consumer warpgroups (TILE_CONFIG), 64 query rows
-each. Warpgroup 0 is the producer: after giving most of its registers away
+warpgroup and one to three consumer warpgroups (tile_config.py), 64 query
+rows each. Warpgroup 0 is the producer: after giving most of its registers away
 (setmaxnreg) one of its warps streams Q once and then K/V tiles with TMA
 into multi-stage shared buffers guarded by mbarrier pipelines. Each consumer
 computes S = Q K^T and O += P V for its rows with asynchronous WGMMA and
@@ -49,55 +49,22 @@ from common.dsl_common import (
 )
 from online_softmax import online_softmax, quad_allreduce, rescale_rows
 from segment_ids import load_tile_ids, warp_bounds_union, warp_tile_segment
+from tile_config import TILE_CONFIG
 
 LN2 = math.log(2.0)
 WG_THREADS = 128  # one warpgroup
 WG_ROWS = 64  # rows of one WGMMA accumulator (m64nNk16)
 # setmaxnreg only moves registers inside the CTA's launch allocation (64K
 # registers shared by all threads): with 2 consumer warpgroups 128 * 24 +
-# 256 * 240 == 168 * 384, with 3 128 * 24 + 384 * 160 <= 128 * 512 (see
+# 256 * 240 == 168 * 384, with 3 128 * 24 + 384 * 160 <= 128 * 512, with
+# one and two CTAs per SM 128 * 24 + 128 * 232 == 128 * 256 (see
 # consumer_registers). Asking for more makes the consumers' increase wait
 # forever.
 PRODUCER_REGS = 24
-SMEM_BUDGET = 227 * 1024
+SMEM_PER_SM = 228 * 1024  # of which each resident CTA reserves 1 KiB
 # Named barriers (0 is __syncthreads): one per consumer for the pingpong,
 # then one per consumer for its epilogue.
 BAR_PINGPONG = 1
-
-# head_dim -> (tile_n, kv_stages). Consumers hold S (tile_n / 2 fp32), P
-# (tile_n / 4 packed regs) and O (head_dim / 2 fp32) per thread within 240
-# registers; Q (128 x hd) + stages x (K + V) (tile_n x hd each) must fit
-# 227 KiB of shared memory. Every entry compiles without spills (ptxas -v);
-# hd128 at tile_n 176 spills and hd96 at 192 spills 12 bytes.
-# Timed on H100 (bf16, batch 2, 16 heads, seq 8192, forward TFLOPS
-# non-causal / causal, scripts/gpu_alternatives.sh, results run 14; cuDNN
-# in the same process moves by about 2% between runs):
-#   hd64:  128 x 4 stages 410-414 / 379-382; 192 x 4: 395 / 358; 176 x 4:
-#          405 / 362.
-#   hd96:  128 x 3 509-513 / 466-476; 160 x 2: 469 / 435; 128 x 4: 502 / 460.
-#   hd128: 128 x 2 565-572 / 526-529; 160 x 2: 546 / 497; 144 x 2: 535 / 486.
-#   hd256: 64 x 2 625-639 / 591-592; 80 x 2: 669 / 607 (chosen).
-# With the anchored PV wait (see _consume), run 15: hd64 385-440 / 399-401,
-# hd96 530-533 / 486-504, hd128 594-603 / 546-547, hd256 687-689 / 619-626.
-# Three consumer warpgroups (192-row tiles, 160 registers each) at hd64,
-# run 17: 498 / 431 against 429-443 / 396-399 with two (cuDNN 456 / 406).
-# head_dim -> (tile_n, kv_stages, consumer warpgroups)
-TILE_CONFIG = {
-    64: (128, 4, 3),
-    96: (128, 3, 2),
-    128: (128, 2, 2),
-    192: (96, 2, 2),
-    256: (80, 2, 2),
-}
-
-# Short causal-like problems (right window bounded, seqlen_q up to the bound):
-# head_dim -> (consumer warpgroups, largest seqlen_q). 128-row tiles waste
-# less on the diagonal, and 1024 rows are 8 of them, not 5 1/3 of 192. H100,
-# bf16, 16k tokens, TFLOPS (results run 27): hd64 causal 1024 with two 228,
-# three 202-208 (cuDNN 275-284); at 2048 300 vs 307-313, and non-causal 1024
-# 343 vs 359-365, which keep three. Run 28, shipped: 230 (cuDNN 273).
-SHORT_CAUSAL_TILE = {64: (2, 1024)}
-
 
 class FlashFwdSm90:
     """Forward attention for one dtype and head dim (head_dim_v == head_dim)."""
@@ -112,6 +79,7 @@ class FlashFwdSm90:
         kv_stages: int = None,
         has_segments: bool = False,
         consumers: int = None,
+        ctas_per_sm: int = 1,
     ):
         if not self.can_implement(dtype, head_dim):
             raise ValueError(
@@ -124,24 +92,28 @@ class FlashFwdSm90:
         self.tile_n = tile_n or default_n
         self.kv_stages = kv_stages or default_stages
         self.conditional_rescale = conditional_rescale
-        self.pingpong = pingpong
         self.has_segments = has_segments
         # The packed-document variants keep two consumers: at three their
         # 160 registers spill (348 bytes at hd64).
         self.consumers = consumers or (2 if has_segments else default_consumers)
+        self.pingpong = pingpong and self.consumers > 1
+        # More than one CTA per SM splits the registers and shared memory,
+        # and lets one CTA's prologue and epilogue overlap another's GEMMs.
+        self.ctas_per_sm = ctas_per_sm
         self.tile_m = WG_ROWS * self.consumers
         self.bar_epilogue = BAR_PINGPONG + self.consumers
         elem = dtype.width // 8
         smem = (self.tile_m + 2 * self.kv_stages * self.tile_n) * head_dim * elem + 1024
-        if smem > SMEM_BUDGET:
+        budget = SMEM_PER_SM // ctas_per_sm - 1024
+        if smem > budget:
             raise ValueError(
                 f"FlashFwdSm90: tile_n={self.tile_n} x {self.kv_stages} stages needs "
-                f"{smem} bytes of shared memory, more than {SMEM_BUDGET}"
+                f"{smem} bytes of shared memory, more than {budget} ({ctas_per_sm} CTAs per SM)"
             )
 
     def consumer_registers(self) -> int:
         """The consumers' setmaxnreg share of 64K registers (multiple of 8)."""
-        per_thread = 65536 // (WG_THREADS * (1 + self.consumers))
+        per_thread = 65536 // self.ctas_per_sm // (WG_THREADS * (1 + self.consumers))
         spare = per_thread * (1 + self.consumers) - PRODUCER_REGS
         return min(240, spare // self.consumers // 8 * 8)
 
@@ -267,7 +239,10 @@ class FlashFwdSm90:
             grid=grid,
             block=[WG_THREADS * (1 + self.consumers), 1, 1],
             stream=stream,
-            min_blocks_per_mp=1,
+            min_blocks_per_mp=self.ctas_per_sm,
+            # All of the unified L1 as shared memory; also spares the DSL a
+            # device query for it (there is no GPU where this compiles).
+            preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None,
         )
 
     @cute.kernel

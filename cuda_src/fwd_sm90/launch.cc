@@ -44,7 +44,7 @@ using jax_flash_launch::Prod;
 
 #define JF_FWD_ENTRY "jax_flash_fwd_sm90"
 
-#define JF_DEFINE_FWD_SHORT_VARIANT(arch_tag, dtype_enum, hd, prefix, max_seqlen_q) \
+#define JF_DEFINE_FWD_SHORT_VARIANT(arch_tag, dtype_enum, hd, prefix, max_causal, max_full) \
   JF_DEFINE_FWD_VARIANT(arch_tag, dtype_enum, hd, prefix)
 JF_FWD_SM90_VARIANTS_SM_90A(JF_DEFINE_FWD_VARIANT)
 JF_FWD_SM90_SEG_VARIANTS_SM_90A(JF_DEFINE_FWD_SEG_VARIANT)
@@ -68,13 +68,17 @@ LaunchFn FindVariant(JfDtype dtype, int head_dim, int head_dim_v, int has_segmen
   return nullptr;
 }
 
-// Short causal-like problems (the right edge of the window bounded) have
-// their own tiles at some head dims (SHORT_CAUSAL_TILE in kernel.py says
-// which and why); every other problem runs the plain or segment variant.
+// Short sequences have their own tiles at some head dims, up to a length
+// that depends on whether the right edge of the window is bounded (causal-
+// like); SHORT_TILE in tile_config.py says which and why. Every other
+// problem runs the plain or segment variant.
 LaunchFn FindVariant(const JfProblem& p) {
-  if (p.has_segments == 0 && p.window_right >= 0 && p.head_dim == p.head_dim_v) {
-#define JF_MATCH_SHORT_VARIANT(arch_tag, dtype_enum, hd, prefix, max_seqlen_q) \
-  if (p.dtype == dtype_enum && p.head_dim == hd && p.seqlen_q <= max_seqlen_q) return Launch_##prefix;
+  if (p.has_segments == 0 && p.head_dim == p.head_dim_v) {
+    const bool causal_like = p.window_right >= 0;
+#define JF_MATCH_SHORT_VARIANT(arch_tag, dtype_enum, hd, prefix, max_causal, max_full) \
+  if (p.dtype == dtype_enum && p.head_dim == hd &&                                    \
+      p.seqlen_q <= (causal_like ? (max_causal) : (max_full)))                         \
+    return Launch_##prefix;
     JF_FWD_SM90_SHORT_VARIANTS_SM_90A(JF_MATCH_SHORT_VARIANT)
 #undef JF_MATCH_SHORT_VARIANT
   }

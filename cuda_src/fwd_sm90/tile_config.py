@@ -1,0 +1,60 @@
+"""The tile choices of the sm90 forward (kernel.py), per head dim, with the
+measurements behind them."""
+
+from dataclasses import dataclass
+
+# head_dim -> (tile_n, kv_stages). Consumers hold S (tile_n / 2 fp32), P
+# (tile_n / 4 packed regs) and O (head_dim / 2 fp32) per thread within 240
+# registers; Q (128 x hd) + stages x (K + V) (tile_n x hd each) must fit
+# 227 KiB of shared memory. Every entry compiles without spills (ptxas -v);
+# hd128 at tile_n 176 spills and hd96 at 192 spills 12 bytes.
+# Timed on H100 (bf16, batch 2, 16 heads, seq 8192, forward TFLOPS
+# non-causal / causal, scripts/gpu_alternatives.sh, results run 14; cuDNN
+# in the same process moves by about 2% between runs):
+#   hd64:  128 x 4 stages 410-414 / 379-382; 192 x 4: 395 / 358; 176 x 4:
+#          405 / 362.
+#   hd96:  128 x 3 509-513 / 466-476; 160 x 2: 469 / 435; 128 x 4: 502 / 460.
+#   hd128: 128 x 2 565-572 / 526-529; 160 x 2: 546 / 497; 144 x 2: 535 / 486.
+#   hd256: 64 x 2 625-639 / 591-592; 80 x 2: 669 / 607 (chosen).
+# With the anchored PV wait (kernel.py, _consume), run 15: hd64 385-440 / 399-401,
+# hd96 530-533 / 486-504, hd128 594-603 / 546-547, hd256 687-689 / 619-626.
+# Three consumer warpgroups (192-row tiles, 160 registers each) at hd64,
+# run 17: 498 / 431 against 429-443 / 396-399 with two (cuDNN 456 / 406).
+# head_dim -> (tile_n, kv_stages, consumer warpgroups)
+TILE_CONFIG = {
+    64: (128, 4, 3),
+    96: (128, 3, 2),
+    128: (128, 2, 2),
+    192: (96, 2, 2),
+    256: (80, 2, 2),
+}
+
+
+@dataclass(frozen=True)
+class ShortTile:
+    """A variant for short sequences: exported as jf_fwdshort90_*; the
+    launcher runs it when seqlen_q is at most max_seqlen_q_causal (right
+    edge of the window bounded) or max_seqlen_q (otherwise)."""
+    consumers: int
+    kv_stages: int
+    ctas_per_sm: int
+    max_seqlen_q_causal: int
+    max_seqlen_q: int
+
+
+# With few KV tiles per query tile, the CTA's prologue (Q and the first K/V
+# loads) and epilogue (O out through shared memory) take much of its time;
+# one consumer warpgroup (64-row tiles), two stages and two CTAs per SM let
+# one CTA's prologue and epilogue run under the other's GEMMs.
+# H100, bf16, 16 heads, 16k tokens, forward TFLOPS, cuDNN in the same run
+# (results run 30): hd64 causal 1024 259 (0.97x) against 228-229 with two
+# consumers (run 27: 228 against 202-208 with three); causal 2048 332
+# (0.96x) against 293-310; non-causal 1024 378 (0.97x) against 362-363;
+# they lose at non-causal 2048 (389 against 439-445) and causal 4096 (368
+# against 373). 64-key tiles with four stages were slower everywhere (249,
+# 302, 328), and so was hd128 with one consumer and 64-key tiles. Run 31,
+# shipped: causal 1024 260 (cuDNN 281), causal 2048 321 (cuDNN 345),
+# non-causal 1024 368 (cuDNN 388).
+SHORT_TILE = {
+    64: ShortTile(consumers=1, kv_stages=2, ctas_per_sm=2, max_seqlen_q_causal=2048, max_seqlen_q=1024),
+}
