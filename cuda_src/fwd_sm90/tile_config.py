@@ -54,7 +54,8 @@ class ShortTile:
 # against 373). 64-key tiles with four stages were slower everywhere (249,
 # 302, 328), and so was hd128 with one consumer and 64-key tiles. Run 31,
 # shipped: causal 1024 260 (cuDNN 281), causal 2048 321 (cuDNN 345),
-# non-causal 1024 368 (cuDNN 388).
+# non-causal 1024 368 (cuDNN 388). Run 32: three stages no different (258,
+# 331, 370 against 259, 323-329, 365-376), 96-key tiles slower.
 SHORT_TILE = {
     64: ShortTile(consumers=1, kv_stages=2, ctas_per_sm=2, max_seqlen_q_causal=2048, max_seqlen_q=1024),
 }
