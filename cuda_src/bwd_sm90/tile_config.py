@@ -61,7 +61,9 @@ class TileConfig:
 # 343-347 / 319-322. 128 query rows at hd64 (FlashAttention-3's tile) compile
 # only with every WGMMA serialised by ptxas (S^T and dP^T then hold 64 floats
 # each next to dK and dV), as does issuing the next tile's S^T / dP^T across
-# the loop turn.
+# the loop turn. With dS^T computed from the 16-bit P^T (its fp32 copy dies
+# after the exp) they compile unserialised, but ran 306 / 281 against 344-348
+# / 322-328 (run 33), so 64 query rows stay.
 TILE_CONFIGS = {
     64: TileConfig(m_block=64, n_block=128, stages=2),
     96: TileConfig(m_block=64, n_block=128, stages=2),
