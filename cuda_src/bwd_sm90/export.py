@@ -81,9 +81,10 @@ def _compile_variant(dtype, head_dim, deterministic, has_segments, has_softcap, 
 def main(argv=None):
     args = parse_export_args(
         __doc__, ARCHES, "comma-separated subset, e.g. bf16_128 (development aid)", argv,
-        extra=[("--tile", dict(default=None, help="M,N,STAGES[,split][,instage] instead of TILE_CONFIGS "
-                                                  "(timing alternatives; use with --only); split: "
-                                                  "split_head_dim, instage: dq_in_stage"))],
+        extra=[("--tile", dict(default=None, help="M,N,STAGES[,split][,instage][,writersW] instead of "
+                                                  "TILE_CONFIGS (timing alternatives; use with --only); "
+                                                  "split: split_head_dim, instage: dq_in_stage, "
+                                                  "writersW: det_dq_writers=W"))],
     )
     import cutlass
     from tile_config import TILE_CONFIGS, TileConfig
@@ -91,8 +92,9 @@ def main(argv=None):
     tile = None
     if args.tile:
         fields = args.tile.split(",")
+        writers = [int(f[len("writers"):]) for f in fields[3:] if f.startswith("writers")]
         tile = TileConfig(*map(int, fields[:3]), split_head_dim="split" in fields[3:],
-                          dq_in_stage="instage" in fields[3:])
+                          dq_in_stage="instage" in fields[3:], det_dq_writers=(writers or [2])[0])
 
     only = {s for s in args.only.split(",") if s}
     tag = _arch_tag(args.arch)

@@ -30,13 +30,14 @@ WGs split the head dim of dK, dV and dQ (and the query rows of S^T, dP^T),
 so P^T goes through shared memory like dS^T and every product after the
 scores reads both from there, after one barrier.
 
-dQ leaves the consumers through a shared fp32 tile: a second producer warp
-adds it to the fp32 accumulator in global memory with one TMA reduce-add
-per query tile, so the consumers never wait on global reductions (issuing
-them as red.global from the consumer warps cost about a sixth of their
-time, measured with Nsight Compute on H100). In the deterministic variant
-that warp also waits for the tile's turn (see query_tile_of), which leaves
-the consumers' loop identical to the plain one.
+dQ leaves the consumers through a shared fp32 tile: two more producer warps,
+taking the query tiles in turn (warp_roles.DQ_WARP), add it to the fp32
+accumulator in global memory with one TMA reduce-add per query tile, so the
+consumers never wait on global reductions (issuing them as red.global from
+the consumer warps cost about a sixth of their time, measured with Nsight
+Compute on H100). In the deterministic variant these warps also wait for
+the tile's turn (see query_tile_of), which leaves the consumers' loop
+identical to the plain one.
 
 The packed-document variant (has_segments) narrows the query tiles to the
 union of the KV tile's keys' q_bounds; a thread compares segment ids only on
@@ -69,19 +70,20 @@ from common.dsl_common import (
 from tile_config import TILE_CONFIGS, TileConfig
 from transposed_scores import (
     load_query_stats,
+    lse_log2,
     own_query_column,
     query_stat,
     warp_sees_several_ids,
     zero_hidden_pairs,
 )
 from warp_roles import (
-    BAR_DQ_EMPTY,
-    BAR_DQ_FULL,
+    BAR_STAGE_READ,
     BAR_EPI,
     BAR_PDS,
     CONSUMER_REGS,
     DQ_BAR_THREADS,
     DQ_WARP,
+    MAX_DQ_WRITERS,
     LOAD_WARP,
     NUM_MMA_THREADS,
     NUM_MMA_WG,
@@ -90,6 +92,8 @@ from warp_roles import (
     PRODUCER_REGS,
     WG_THREADS,
     ProducerWarps,
+    bar_dq_empty,
+    bar_dq_full,
 )
 
 LOG2E = math.log2(math.e)
@@ -132,6 +136,9 @@ class FlashBwdSm90(ProducerWarps):
         self.stages = cfg.stages
         self.split_head_dim = cfg.split_head_dim
         self.dq_in_stage = cfg.dq_in_stage
+        self.dq_writers = cfg.det_dq_writers if deterministic else 1
+        if not 1 <= self.dq_writers <= MAX_DQ_WRITERS:
+            raise ValueError(f"det_dq_writers={cfg.det_dq_writers}: 1 to {MAX_DQ_WRITERS}")
 
     @staticmethod
     def can_implement(dtype, head_dim, tile: Optional[TileConfig] = None) -> bool:
@@ -381,7 +388,7 @@ class FlashBwdSm90(ProducerWarps):
             barrier_storage=storage.pipe_bar.data_ptr(),
             num_stages=st,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # dq_in_stage: the dQ writer warp frees a stage once its TMA has
+            # dq_in_stage: a dQ writer warp frees a stage once its TMA has
             # read the dQ tile written over it.
             consumer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread, 1 if self.dq_in_stage else NUM_MMA_THREADS // 32
@@ -426,10 +433,10 @@ class FlashBwdSm90(ProducerWarps):
                     sQ, sK, sV, sdO, pipe, kv_bar, bytes_KV,
                     n_block, kv_head, batch, group, m_block_min, m_blocks, n_iters,
                 )
-            if warp_idx == DQ_WARP:
+            if warp_idx >= DQ_WARP and warp_idx < DQ_WARP + self.dq_writers:
                 self._write_dq(
                     tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, lo, n_block, kv_head, batch, group,
-                    m_block_min, m_blocks, n_iters,
+                    m_block_min, m_blocks, n_iters, warp_idx - DQ_WARP,
                 )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -519,8 +526,21 @@ class FlashBwdSm90(ProducerWarps):
         if n_iters > 0:
             cute.arch.mbarrier_wait(kv_bar, 0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        # Statistics of the query rows (see transposed_scores): the columns of
+        # this thread repeat in every quad of its warp, so each lane loads the
+        # pair its quad index selects and the others come by shuffles. They
+        # are loaded one query tile ahead: issued with the S^T / dP^T GEMMs,
+        # the loads outlasted them and the exp waited (Nsight Compute, H100,
+        # hd64: the most stalled instruction of the consumers). H100, seq
+        # 8192, non-causal / causal: hd64 390 / 364 TFLOPS against 353-355 /
+        # 326-327, hd128 498 / 468 against 493-494 / 445 (results run 35).
+        lse_q = cute.make_rmem_tensor(2, Float32)
+        delta_q = cute.make_rmem_tensor(2, Float32)
+        head, m_block = kv_head * group, m_block_min
+        if n_iters > 0:
+            head, m_block = query_tile_of(Int32(0), kv_head, group, m_block_min, m_blocks, self.deterministic)
+            load_query_stats(lse_q, delta_q, mLSE, mDelta, batch, head, m_block * M + wg_row0, lane, seqlen_q)
         for it in cutlass.range(n_iters, unroll=1):
-            head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic)
             m0 = m_block * M
             s = state.index
 
@@ -530,11 +550,6 @@ class FlashBwdSm90(ProducerWarps):
             self._wgmma(mma_sdp, acc_S, tSrK[None, None, None, 0], tSrQ[None, None, None, s], True)
             self._wgmma(mma_sdp, acc_dP, tdPrV[None, None, None, 0], tdPrdO[None, None, None, s], True)
 
-            # Statistics of the query rows, loaded while the GEMMs run. The
-            # columns of this thread repeat in every quad of its warp, so each
-            # lane loads the pair its quad index selects and the others come
-            # by shuffles (query_stat).
-            lse_q, delta_q = load_query_stats(mLSE, mDelta, batch, head, m0 + wg_row0, lane, seqlen_q)
             seg_pair = cute.make_rmem_tensor(2, Int32)
             tile_differs = False
             if cutlass.const_expr(self.has_segments):
@@ -548,10 +563,11 @@ class FlashBwdSm90(ProducerWarps):
                 acc_slope = cute.make_fragment_like(acc_S)
                 cap_scores_with_slope(acc_S, acc_slope, softcap_in)
             acc_S_mn = wgmma_acc_as_rows_cols(acc_S)
+            lse_q_log2 = lse_log2(lse_q)
             for c in cutlass.range_constexpr(n_queries):
-                lse_log2 = query_stat(lse_q, c, lane)
+                row_lse = query_stat(lse_q_log2, c, lane)
                 for r in cutlass.range_constexpr(n_keys):
-                    acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse_log2, fastmath=True)
+                    acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - row_lse, fastmath=True)
             full_tile = (
                 m0 + M <= q_len
                 and n0 + N <= kv_len
@@ -606,18 +622,24 @@ class FlashBwdSm90(ProducerWarps):
             acc_dQ.store(acc_dQ.load() * scale)
             if cutlass.const_expr(self.dq_in_stage):
                 # Over this stage's Q and dO, once no GEMM of either WG reads
-                # them; the writer warp frees the stage after its TMA add.
+                # them; a writer warp frees the stage after its TMA add.
                 warpgroup.wait_group(0)
-                cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=NUM_MMA_THREADS)
+                cute.arch.barrier(barrier_id=BAR_STAGE_READ, number_of_threads=NUM_MMA_THREADS)
                 cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQsdQ[None, None, None, s])
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=DQ_BAR_THREADS)
             else:
-                # To shared memory, for the writer warp's TMA add.
-                cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=DQ_BAR_THREADS)
+                # To shared memory, for the writer warps' TMA add, once the
+                # writer of the previous tile has read that one.
+                previous_writer = (it + self.dq_writers - 1) % self.dq_writers
+                cute.arch.barrier(barrier_id=bar_dq_empty(previous_writer), number_of_threads=DQ_BAR_THREADS)
                 cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQsdQ)
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=DQ_BAR_THREADS)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=bar_dq_full(it % self.dq_writers), number_of_threads=DQ_BAR_THREADS)
+            # After the dQ hand-off, whose shared-memory fence would wait for
+            # these loads too.
+            head, m_block = query_tile_of(
+                cutlass.min(it + 1, n_iters - 1), kv_head, group, m_block_min, m_blocks, self.deterministic
+            )
+            load_query_stats(lse_q, delta_q, mLSE, mDelta, batch, head, m_block * M + wg_row0, lane, seqlen_q)
             warpgroup.wait_group(0)
             if cutlass.const_expr(not self.dq_in_stage):
                 pipe.consumer_release(state)

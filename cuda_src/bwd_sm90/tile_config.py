@@ -18,6 +18,16 @@ class TileConfig:
     # memory of its own, at the price of waiting for the dK / dV GEMMs
     # before the tile is written.
     dq_in_stage: bool = False
+    # Warps adding dQ in the deterministic variant, taking the query tiles
+    # in turn (the default variant has one). A deterministic writer waits for
+    # its add to complete before it passes the tile's turn on; alone, it held
+    # the consumers up. H100, seq 8192, deterministic over default backward,
+    # non-causal / causal: one writer hd192 0.74 / 0.63, hd256 0.87 / 0.76;
+    # two 0.89 / 0.88 and 0.89 / 0.82 (results run 35, which also dropped a
+    # redundant gpu fence before each turn's release); three no better
+    # (run 36: hd192 0.88 / 0.87, hd256 0.93 / 0.80 against two's 0.88-0.89
+    # / 0.85-0.87 and 0.94 / 0.81-0.82).
+    det_dq_writers: int = 2
 
 
 # Frozen per head dim. n_block = 128 puts one 64-row WGMMA per consumer WG in

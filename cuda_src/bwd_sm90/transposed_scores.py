@@ -27,22 +27,27 @@ def own_query_column(lane, b: cutlass.Constexpr):
 
 
 @cute.jit
-def load_query_stats(mLSE, mDelta, batch, head, m0, lane, seqlen_q):
-    """(lse * log2 e, delta) of this lane's two own_query_column rows. Rows
-    past seqlen_q and rows that see no key (lse = -inf) get lse = +inf, so
-    that P = 0 there."""
-    lse_pair = cute.make_rmem_tensor(2, Float32)
-    delta_pair = cute.make_rmem_tensor(2, Float32)
+def load_query_stats(lse_pair, delta_pair, mLSE, mDelta, batch, head, m0, lane, seqlen_q):
+    """Fill lse_pair and delta_pair with lse and delta of this lane's two
+    own_query_column rows (rows past seqlen_q: those of the last row, which
+    the mask hides). Nothing here reads the loaded values, so the loads stay
+    in flight until the pairs are used (lse_log2)."""
     for b in cutlass.range_constexpr(2):
-        row = m0 + own_query_column(lane, b)
-        lse_pair[b] = Float32.inf
-        delta_pair[b] = Float32(0.0)
-        if row < seqlen_q:
-            lse = mLSE[batch, head, row]
-            delta_pair[b] = mDelta[batch, head, row]
-            if lse != -Float32.inf:
-                lse_pair[b] = lse * LOG2E
-    return lse_pair, delta_pair
+        row = cutlass.min(m0 + own_query_column(lane, b), seqlen_q - 1)
+        lse_pair[b] = mLSE[batch, head, row]
+        delta_pair[b] = mDelta[batch, head, row]
+
+
+@cute.jit
+def lse_log2(lse_pair):
+    """lse * log2 e of a lse_pair, with +inf for rows that see no key (lse =
+    -inf), so that P = 0 there."""
+    out = cute.make_rmem_tensor(2, Float32)
+    for b in cutlass.range_constexpr(2):
+        out[b] = lse_pair[b] * LOG2E
+        if lse_pair[b] == -Float32.inf:
+            out[b] = Float32.inf
+    return out
 
 
 @cute.jit

@@ -1,7 +1,7 @@
 """Who does what in a CTA of the sm90 backward (kernel.py): thread counts,
-register budgets and named barriers, and the two warps of the producer
-warpgroup, which the kernel class inherits (ProducerWarps): the TMA loads of
-K, V, Q and dO, and the TMA reduce-add of each query tile's dQ."""
+register budgets and named barriers, and the warps of the producer warpgroup,
+which the kernel class inherits (ProducerWarps): the TMA loads of K, V, Q and
+dO, and the TMA reduce-add of each query tile's dQ."""
 
 import cutlass
 import cutlass.cute as cute
@@ -18,7 +18,12 @@ NUM_THREADS = WG_THREADS + NUM_MMA_THREADS  # producer WG + 2 consumer WGs
 NUM_WARPS = NUM_THREADS // 32
 WARP_THREADS = 32
 LOAD_WARP = 0  # TMA loads of K, V, Q, dO
-DQ_WARP = 1  # TMA reduce-add of dQ
+# TMA reduce-adds of dQ: warps DQ_WARP .. DQ_WARP + dq_writers - 1 (up to
+# the rest of the producer WG); warp DQ_WARP + w takes the query tiles `it`
+# with it % dq_writers == w (TileConfig.det_dq_writers says why the
+# deterministic variant has more than one).
+DQ_WARP = 1
+MAX_DQ_WRITERS = WG_THREADS // WARP_THREADS - DQ_WARP
 # setmaxnreg budgets: 24 + 2 * 240 <= 504 (64K registers / 128 threads of
 # each WG, rounded to the granularity of 8). The consumers hold dK and dV
 # (2 * n_block * head_dim / 256 floats) plus S, dP and dQ fragments.
@@ -27,44 +32,54 @@ CONSUMER_REGS = 240
 # Named barriers (0 is __syncthreads).
 BAR_PDS = 1  # P and dS of a query tile are in shared memory
 BAR_EPI = 2  # epilogue staging through sK / sV
-BAR_DQ_EMPTY = 3  # the dQ tile in shared memory may be overwritten
-# (dq_in_stage: both consumer WGs are done with the Q / dO stage)
-BAR_DQ_FULL = 4  # the consumers wrote the dQ tile
+# dq_in_stage: both consumer WGs are done with the Q / dO stage.
+BAR_STAGE_READ = 3
 DQ_BAR_THREADS = NUM_MMA_THREADS + WARP_THREADS
 
 
+def bar_dq_empty(writer):
+    """Writer `writer` has read the dQ tile out of shared memory."""
+    return 4 + 2 * writer
+
+
+def bar_dq_full(writer):
+    """The consumers wrote the dQ tile that writer `writer` adds."""
+    return 5 + 2 * writer
+
+
 class ProducerWarps:
-    """Needs head_dim, m_block, n_block, stages, deterministic and
-    dq_in_stage (set by FlashBwdSm90.__init__)."""
+    """Needs head_dim, m_block, n_block, stages, deterministic, dq_in_stage
+    and dq_writers (set by FlashBwdSm90.__init__)."""
 
     @cute.jit
     def _write_dq(
         self, tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, lo, n_block, kv_head, batch, group,
-        m_block_min, m_blocks, n_iters,
+        m_block_min, m_blocks, n_iters, writer,
     ):
-        """One warp: per query tile, wait for the consumers' dQ tile, add it to
-        the fp32 accumulator with a TMA reduce-add and hand the buffer back as
-        soon as the TMA has read it. Deterministic: first wait for the tile's
-        turn, and pass the turn on only once the addition is complete.
-        dq_in_stage: the tile lies over the query tile's Q / dO stage, which
-        this warp then frees for the producer."""
+        """One warp: per query tile of this writer (see DQ_WARP), wait for
+        the consumers' dQ tile, add it to the fp32 accumulator with a TMA
+        reduce-add and hand the buffer back as soon as the TMA has read it.
+        Deterministic: first wait for the tile's turn, and pass the turn on
+        once the addition is complete. dq_in_stage: the tile lies over the
+        query tile's Q / dO stage, which this warp then frees for the
+        producer."""
         D, M, N = self.head_dim, self.m_block, self.n_block
         lane = cute.arch.lane_idx()
         if cutlass.const_expr(not self.dq_in_stage):
-            if n_iters > 0:
-                # The buffer starts empty.
-                cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=DQ_BAR_THREADS)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        for it in cutlass.range(n_iters, unroll=1):
+            if writer == self.dq_writers - 1 and n_iters > 0:
+                # The buffer starts empty: as if this writer had read tile -1.
+                cute.arch.barrier_arrive(barrier_id=bar_dq_empty(writer), number_of_threads=DQ_BAR_THREADS)
+        for it in cutlass.range(writer, n_iters, self.dq_writers, unroll=1):
             head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic)
             gdQ = cute.local_tile(tma_dQ[None, None, head, batch], (M, D), (None, 0))
             tdQsdQ, tdQgdQ = cpasync.tma_partition(
                 tma_atom_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2)
             )
+            stage = it % self.stages
             if cutlass.const_expr(self.dq_in_stage):
-                tdQsdQ = tdQsdQ[None, state.index]
+                tdQsdQ = tdQsdQ[None, stage]
             turn = mDqSem.iterator + cute.crd2idx((batch, head, m_block), mDqSem.layout)
-            cute.arch.barrier(barrier_id=BAR_DQ_FULL, number_of_threads=DQ_BAR_THREADS)
+            cute.arch.barrier(barrier_id=bar_dq_full(writer), number_of_threads=DQ_BAR_THREADS)
             if cutlass.const_expr(self.deterministic):
                 # Every earlier KV tile that sees this query tile has added.
                 if lane == 0:
@@ -72,17 +87,15 @@ class ProducerWarps:
                 cute.arch.sync_warp()
             cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, m_block])
             cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if cutlass.const_expr(self.dq_in_stage):
+                pipe.consumer_release(pipeline.PipelineState(self.stages, it, stage, (it // self.stages) % 2))
+            elif it + 1 < n_iters:
+                cute.arch.barrier_arrive(barrier_id=bar_dq_empty(writer), number_of_threads=DQ_BAR_THREADS)
             if cutlass.const_expr(self.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
                 if lane == 0:
                     release_add_s32(turn, Int32(1))
-            else:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if cutlass.const_expr(self.dq_in_stage):
-                pipe.consumer_release(state)
-                state.advance()
-            elif it + 1 < n_iters:
-                cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=DQ_BAR_THREADS)
 
     @cute.jit
     def _produce(

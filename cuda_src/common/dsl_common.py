@@ -200,13 +200,14 @@ def ld_acquire_s32(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
 
 @dsl_user_op
 def release_add_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> None:
-    """A gpu-scope fence, then red.release.gpu.add of an int32: every write
-    this thread has ordered before the call (through a CTA barrier, those of
-    the whole CTA) is visible to whoever acquires the new value."""
+    """red.release.gpu.add of an int32: every write this thread has ordered
+    before the call (through a CTA barrier, those of the whole CTA) is
+    visible to whoever acquires the new value. (A release is a gpu-scope
+    fence and the add; a fence of its own before it cost a second one.)"""
     llvm.inline_asm(
         None,
         [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
-        "fence.acq_rel.gpu;\n\tred.release.gpu.global.add.s32 [$0], $1;",
+        "red.release.gpu.global.add.s32 [$0], $1;",
         "l,r",
         has_side_effects=True,
         is_align_stack=False,
