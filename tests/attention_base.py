@@ -188,14 +188,17 @@ class AttentionTestBase:
     self.check(seq_q=260, seq_k=260, segment_ids=ids, window=(70, 0), softcap=3.0,
                dtype=self.dtypes[0])
 
-  @pytest.mark.parametrize("case", ["causal_gqa", "window", "documents", "lengths"])
+  @pytest.mark.parametrize("case", ["causal_gqa", "window", "documents", "lengths", "causal_lengths"])
   def test_deterministic_backward(self, case):
+    # causal_lengths: the turns of a causal mask may be taken from the last
+    # KV tile that sees a query tile down, which lengths cut short.
+    lengths = dict(q_lens=jnp.array([700, 321], jnp.int32), kv_lens=jnp.array([555, 700], jnp.int32))
     kwargs = {"causal_gqa": dict(causal=True),
               "window": dict(window=(200, 30)),
               "documents": dict(causal=True,
                                 segment_ids=packed_segment_ids(15, batch=2, seq=700, num_docs=4)),
-              "lengths": dict(q_lens=jnp.array([700, 321], jnp.int32),
-                              kv_lens=jnp.array([555, 700], jnp.int32))}[case]
+              "lengths": lengths,
+              "causal_lengths": dict(causal=True, **lengths)}[case]
     first = self.check(seq_q=700, seq_k=700, heads_q=8, heads_kv=2, head_dim=self.head_dims[0],
                        dtype=self.dtypes[0], deterministic=True, **kwargs)
     q, k, v, dout = numerics.random_qkv(0, 2, 700, 700, 8, 2, self.head_dims[0], self.dtypes[0])

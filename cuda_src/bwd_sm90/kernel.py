@@ -298,6 +298,10 @@ class FlashBwdSm90(ProducerWarps):
             # default backward: hd64 0.94, hd128 1.00, hd192 0.64, hd256
             # 0.78 against 0.78, 0.89, 0.58, 0.63 KV tiles first (run 26);
             # heads first lost without a mask (run 25: hd128 0.89 vs 0.95).
+            # Run 37, not kept: turns taken from the last KV tile that sees
+            # a query tile down (KV tiles launched last to first, each CTA
+            # walking its tiles first to last), deterministic causal seq
+            # 8192: hd128 286, hd192 144 TFLOPS against 446-450 and 327-333.
             heads_first = key_hi < mK.shape[1] - 1
             grid = (Int32(cutlass.select_(heads_first, kv_heads, n_blocks)),
                     Int32(cutlass.select_(heads_first, n_blocks, kv_heads)), mK.shape[0])
