@@ -1,7 +1,8 @@
 """A small forward + backward on the GPU kernels, for compute-sanitizer:
 head dims whose Hopper kernels differ in structure (hd64: three forward
 consumers; hd192: the split-head-dim backward with its TMA dQ tile; hd256:
-the same with dQ written over its spent Q / dO stage)."""
+the same with dQ written over its spent Q / dO stage), each backward also in
+its deterministic variant (dQ turns between CTAs, several dQ writer warps)."""
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +15,9 @@ for head_dim in (64, 192, 256):
   k = jax.random.normal(keys[1], (2, 130, 2, head_dim), jnp.bfloat16)
   v = jax.random.normal(keys[2], (2, 130, 2, head_dim), jnp.bfloat16)
   for causal in (False, True):
-    loss = lambda q, k, v: jnp.sum(jax_flash.attention(q, k, v, causal=causal,
-                                                       implementation="gpu").astype(jnp.float32))
-    grads = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
-    jax.block_until_ready(grads)
+    for deterministic in (False, True):
+      loss = lambda q, k, v: jnp.sum(jax_flash.attention(
+          q, k, v, causal=causal, deterministic=deterministic, implementation="gpu").astype(jnp.float32))
+      grads = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
+      jax.block_until_ready(grads)
 print("sanitizer case done")

@@ -69,8 +69,6 @@ from common.dsl_common import (
 )
 from tile_config import TILE_CONFIGS, TileConfig
 from transposed_scores import (
-    load_query_stats,
-    lse_log2,
     own_query_column,
     query_stat,
     warp_sees_several_ids,
@@ -80,10 +78,12 @@ from warp_roles import (
     BAR_STAGE_READ,
     BAR_EPI,
     BAR_PDS,
+    BAR_STATS,
     CONSUMER_REGS,
     DQ_BAR_THREADS,
     DQ_WARP,
     MAX_DQ_WRITERS,
+    STATS_WARP,
     LOAD_WARP,
     NUM_MMA_THREADS,
     NUM_MMA_WG,
@@ -157,7 +157,8 @@ class FlashBwdSm90(ProducerWarps):
         k_v = 2 * cfg.n_block * head_dim * 2
         p_ds = (2 if cfg.split_head_dim else 1) * cfg.stages * cfg.m_block * cfg.n_block * 2
         dq = 0 if cfg.dq_in_stage else cfg.m_block * head_dim * 4
-        return q_do + k_v + p_ds + dq + 1024
+        stats = 2 * cfg.m_block * cfg.stages * 4 + 128
+        return q_do + k_v + p_ds + dq + stats + 1024
 
     # ------------------------------------------------------------------ host
     def _smem_layout(self, rows: int, cols: int, stages: int, major_size: int):
@@ -266,6 +267,8 @@ class FlashBwdSm90(ProducerWarps):
         class SharedStorage:
             pipe_bar: cute.struct.MemRange[cutlass.Int64, 2 * st]
             kv_bar: cute.struct.MemRange[cutlass.Int64, 1]
+            # lse * log2 e and delta of each stage's query rows (STATS_WARP).
+            sStats: cute.struct.Align[cute.struct.MemRange[Float32, 2 * M * st], 16]
             # dq_in_stage: sQ holds Q and dO of each stage side by side
             # (no sdO, no sdQ), the fp32 dQ tile's 4 M D bytes exactly.
             sQ: buffer(self.dtype, (2 if self.dq_in_stage else 1) * cute.cosize(sQ_layout))
@@ -414,6 +417,7 @@ class FlashBwdSm90(ProducerWarps):
         else:
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
             sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sStats = storage.sStats.get_tensor(cute.make_layout((M, 2, st)))
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
@@ -437,6 +441,10 @@ class FlashBwdSm90(ProducerWarps):
                     sQ, sK, sV, sdO, pipe, kv_bar, bytes_KV,
                     n_block, kv_head, batch, group, m_block_min, m_blocks, n_iters,
                 )
+            if warp_idx == STATS_WARP:
+                self._load_stats(
+                    mLSE, mDelta, sStats, batch, kv_head, group, m_block_min, m_blocks, n_iters, seqlen_q,
+                )
             if warp_idx >= DQ_WARP and warp_idx < DQ_WARP + self.dq_writers:
                 self._write_dq(
                     tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, lo, n_block, kv_head, batch, group,
@@ -445,7 +453,7 @@ class FlashBwdSm90(ProducerWarps):
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._consume(
-                mLSE, mDelta, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sP, sdQ, pipe, kv_bar,
+                sStats, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sP, sdQ, pipe, kv_bar,
                 mma_sdp, mma_dkv, mma_dq, gmem_store_tile,
                 scale, scale_log2, softcap_in, lo, hi, n_block, kv_head, batch, group,
                 m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k, mQSeg, mKVSeg,
@@ -453,7 +461,7 @@ class FlashBwdSm90(ProducerWarps):
 
     @cute.jit
     def _consume(
-        self, mLSE, mDelta, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sP, sdQ, pipe, kv_bar,
+        self, sStats, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sP, sdQ, pipe, kv_bar,
         mma_sdp, mma_dkv, mma_dq, gmem_store_tile,
         scale, scale_log2, softcap_in, lo, hi, n_block, kv_head, batch, group,
         m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k, mQSeg, mKVSeg,
@@ -530,21 +538,13 @@ class FlashBwdSm90(ProducerWarps):
         if n_iters > 0:
             cute.arch.mbarrier_wait(kv_bar, 0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        # Statistics of the query rows (see transposed_scores): the columns of
-        # this thread repeat in every quad of its warp, so each lane loads the
-        # pair its quad index selects and the others come by shuffles. They
-        # are loaded one query tile ahead: issued with the S^T / dP^T GEMMs,
-        # the loads outlasted them and the exp waited (Nsight Compute, H100,
-        # hd64: the most stalled instruction of the consumers). H100, seq
-        # 8192, non-causal / causal: hd64 390 / 364 TFLOPS against 353-355 /
-        # 326-327, hd128 498 / 468 against 493-494 / 445 (results run 35).
-        lse_q = cute.make_rmem_tensor(2, Float32)
-        delta_q = cute.make_rmem_tensor(2, Float32)
-        head, m_block = kv_head * group, m_block_min
-        if n_iters > 0:
-            head, m_block = query_tile_of(Int32(0), kv_head, group, m_block_min, m_blocks, self.deterministic)
-            load_query_stats(lse_q, delta_q, mLSE, mDelta, batch, head, m_block * M + wg_row0, lane, seqlen_q)
+        # The first of the two query rows whose statistics this lane reads
+        # (see below). With split_head_dim a WG has M / 2 query columns, and
+        # the lanes past them (whose values no thread takes) read the last
+        # rows instead of the next stage's.
+        stat_row = cutlass.min(wg_row0 + own_query_column(lane, 0), M - 2)
         for it in cutlass.range(n_iters, unroll=1):
+            _, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic)
             m0 = m_block * M
             s = state.index
 
@@ -553,6 +553,18 @@ class FlashBwdSm90(ProducerWarps):
             acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((N, M)), Float32)
             self._wgmma(mma_sdp, acc_S, tSrK[None, None, None, 0], tSrQ[None, None, None, s], True)
             self._wgmma(mma_sdp, acc_dP, tdPrV[None, None, None, 0], tdPrdO[None, None, None, s], True)
+
+            # Statistics of the query rows (see transposed_scores): the columns
+            # of this thread repeat in every quad of its warp, so each lane
+            # reads the pair its quad index selects and the others come by
+            # shuffles.
+            stats_stage = it % self.stages
+            cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=DQ_BAR_THREADS)
+            lse_q = cute.make_rmem_tensor(2, Float32)
+            delta_q = cute.make_rmem_tensor(2, Float32)
+            for b in cutlass.range_constexpr(2):
+                lse_q[b] = sStats[stat_row + b, 0, stats_stage]
+                delta_q[b] = sStats[stat_row + b, 1, stats_stage]
 
             seg_pair = cute.make_rmem_tensor(2, Int32)
             tile_differs = False
@@ -567,9 +579,8 @@ class FlashBwdSm90(ProducerWarps):
                 acc_slope = cute.make_fragment_like(acc_S)
                 cap_scores_with_slope(acc_S, acc_slope, softcap_in)
             acc_S_mn = wgmma_acc_as_rows_cols(acc_S)
-            lse_q_log2 = lse_log2(lse_q)
             for c in cutlass.range_constexpr(n_queries):
-                row_lse = query_stat(lse_q_log2, c, lane)
+                row_lse = query_stat(lse_q, c, lane)
                 for r in cutlass.range_constexpr(n_keys):
                     acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - row_lse, fastmath=True)
             full_tile = (
@@ -638,12 +649,6 @@ class FlashBwdSm90(ProducerWarps):
                 cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQsdQ)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier_arrive(barrier_id=bar_dq_full(it % self.dq_writers), number_of_threads=DQ_BAR_THREADS)
-            # After the dQ hand-off, whose shared-memory fence would wait for
-            # these loads too.
-            head, m_block = query_tile_of(
-                cutlass.min(it + 1, n_iters - 1), kv_head, group, m_block_min, m_blocks, self.deterministic
-            )
-            load_query_stats(lse_q, delta_q, mLSE, mDelta, batch, head, m_block * M + wg_row0, lane, seqlen_q)
             warpgroup.wait_group(0)
             if cutlass.const_expr(not self.dq_in_stage):
                 pipe.consumer_release(state)

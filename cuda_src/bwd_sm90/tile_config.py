@@ -29,6 +29,10 @@ class TileConfig:
     # / 0.85-0.87 and 0.94 / 0.81-0.82).
     det_dq_writers: int = 2
 
+    def __post_init__(self):
+        if self.stages < 2:
+            raise ValueError(f"stages must be >= 2 (warp_roles.BAR_STATS), got {self.stages}")
+
 
 # Frozen per head dim. n_block = 128 puts one 64-row WGMMA per consumer WG in
 # the S^T, dP^T, dK and dV GEMMs; m_block = 64 keeps the S^T/dP^T/dQ

@@ -5,55 +5,27 @@ visibility mask and the segment-id test.
 In a WGMMA accumulator lane l holds the columns 8 g + 2 (l % 4) + {0, 1} of
 every 8-column group g, and all lanes with the same l % 4 hold the same
 columns. A thread's 16 query rows would take 16 registers per statistic, so
-each lane loads only the two rows of group l // 4 (own_query_column) and
-serves them to the others by shuffles (query_stat). (Loading all 16 per
+each lane reads only the two rows of group l // 4 (own_query_column) and
+serves them to the others by shuffles (query_stat). (Holding all 16 per
 thread spilled at head_dim 64.)
 """
-
-import math
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-LOG2E = math.log2(math.e)
-
 
 @cute.jit
 def own_query_column(lane, b: cutlass.Constexpr):
     """Column b of group lane // 4: a query row (within the tile) whose
-    statistics this lane loads and serves (module docstring)."""
+    statistics this lane reads and serves (module docstring)."""
     return 8 * (lane // 4) + 2 * (lane % 4) + b
-
-
-@cute.jit
-def load_query_stats(lse_pair, delta_pair, mLSE, mDelta, batch, head, m0, lane, seqlen_q):
-    """Fill lse_pair and delta_pair with lse and delta of this lane's two
-    own_query_column rows (rows past seqlen_q: those of the last row, which
-    the mask hides). Nothing here reads the loaded values, so the loads stay
-    in flight until the pairs are used (lse_log2)."""
-    for b in cutlass.range_constexpr(2):
-        row = cutlass.min(m0 + own_query_column(lane, b), seqlen_q - 1)
-        lse_pair[b] = mLSE[batch, head, row]
-        delta_pair[b] = mDelta[batch, head, row]
-
-
-@cute.jit
-def lse_log2(lse_pair):
-    """lse * log2 e of a lse_pair, with +inf for rows that see no key (lse =
-    -inf), so that P = 0 there."""
-    out = cute.make_rmem_tensor(2, Float32)
-    for b in cutlass.range_constexpr(2):
-        out[b] = lse_pair[b] * LOG2E
-        if lse_pair[b] == -Float32.inf:
-            out[b] = Float32.inf
-    return out
 
 
 @cute.jit
 def query_stat(pair, c: cutlass.Constexpr, lane):
     """The value for column index c = 2 g + b of a thread's accumulator
-    (wgmma_acc_as_rows_cols order), shuffled from the lane that loaded
+    (wgmma_acc_as_rows_cols order), shuffled from the lane that read
     column group g."""
     return cute.arch.shuffle_sync(pair[c % 2], 4 * (c // 2) + lane % 4)
 

@@ -3,10 +3,12 @@ register budgets and named barriers, and the warps of the producer warpgroup,
 which the kernel class inherits (ProducerWarps): the TMA loads of K, V, Q and
 dO, and the TMA reduce-add of each query tile's dQ."""
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Int32
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
 from common.dsl_common import first_kv_block_seeing, query_tile_of, release_add_s32, wait_at_least
@@ -23,7 +25,16 @@ LOAD_WARP = 0  # TMA loads of K, V, Q, dO
 # with it % dq_writers == w (TileConfig.det_dq_writers says why the
 # deterministic variant has more than one).
 DQ_WARP = 1
-MAX_DQ_WRITERS = WG_THREADS // WARP_THREADS - DQ_WARP
+# lse (times log2 e) and delta of each query tile into shared memory, one
+# tile ahead; the consumers read them there. (Loaded by the consumers
+# themselves, with the score GEMMs or one tile ahead, the loads outlasted
+# the GEMMs and the exp waited: Nsight Compute, H100, hd64.) H100 against
+# the consumers' own loads one tile ahead, same process (results run 41),
+# default / deterministic at seq 2048 and 8192: hd64 +1-8% / +7-12%, hd128
+# +1-6% / -1-+5%, hd256 -1-+3% / +2-6%; hd192 +0-1% / +2-3% except
+# deterministic causal 8192, -12% (290 against 327-328 TFLOPS).
+STATS_WARP = 3
+MAX_DQ_WRITERS = STATS_WARP - DQ_WARP
 # setmaxnreg budgets: 24 + 2 * 240 <= 504 (64K registers / 128 threads of
 # each WG, rounded to the granularity of 8). The consumers hold dK and dV
 # (2 * n_block * head_dim / 256 floats) plus S, dP and dQ fragments.
@@ -45,6 +56,15 @@ def bar_dq_empty(writer):
 def bar_dq_full(writer):
     """The consumers wrote the dQ tile that writer `writer` adds."""
     return 5 + 2 * writer
+
+
+# The stats warp and all consumers meet here once per query tile: the stats
+# warp after writing the tile's stage, the consumers before reading it. A
+# barrier both sides wait at (not arrive / wait: racecheck reported hazards
+# on that hand-over, and on an mbarrier one) orders both directions: the
+# stats warp writes a stage again only after the consumers reached the next
+# tile's barrier, past their reads of it (hence stages >= 2).
+BAR_STATS = 4 + 2 * MAX_DQ_WRITERS
 
 
 class ProducerWarps:
@@ -96,6 +116,31 @@ class ProducerWarps:
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
                 if lane == 0:
                     release_add_s32(turn, Int32(1))
+
+    @cute.jit
+    def _load_stats(
+        self, mLSE, mDelta, sStats, batch, kv_head, group, m_block_min, m_blocks, n_iters, seqlen_q,
+    ):
+        """One warp: per query tile `it`, once the consumers have read what
+        stage it % stages held before, lse * log2 e (+inf for rows that see no
+        key, so that P = 0 there) and delta of its rows into that stage of
+        sStats ((rows, 2, stages)). Rows past seqlen_q take the last row's
+        values (the mask hides them); BAR_STATS hands the stages over."""
+        M, st = self.m_block, self.stages
+        lane = cute.arch.lane_idx()
+        for it in cutlass.range(n_iters, unroll=1):
+            head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic)
+            stage = it % st
+            for r in cutlass.range_constexpr(M // WARP_THREADS):
+                row = r * WARP_THREADS + lane
+                src = cutlass.min(m_block * M + row, seqlen_q - 1)
+                lse = mLSE[batch, head, src]
+                lse_log2 = lse * Float32(math.log2(math.e))
+                if lse == -Float32.inf:
+                    lse_log2 = Float32.inf
+                sStats[row, 0, stage] = lse_log2
+                sStats[row, 1, stage] = mDelta[batch, head, src]
+            cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=DQ_BAR_THREADS)
 
     @cute.jit
     def _produce(
