@@ -69,6 +69,8 @@ from common.dsl_common import (
 )
 from tile_config import TILE_CONFIGS, TileConfig
 from transposed_scores import (
+    load_query_stats,
+    lse_to_log2,
     own_query_column,
     query_stat,
     warp_sees_several_ids,
@@ -137,6 +139,7 @@ class FlashBwdSm90(ProducerWarps):
         self.split_head_dim = cfg.split_head_dim
         self.dq_in_stage = cfg.dq_in_stage
         self.dq_writers = cfg.det_dq_writers if deterministic else 1
+        self.stats_warp = cfg.det_stats_warp or not deterministic
         if not 1 <= self.dq_writers <= MAX_DQ_WRITERS:
             raise ValueError(f"det_dq_writers={cfg.det_dq_writers}: 1 to {MAX_DQ_WRITERS}")
 
@@ -441,7 +444,7 @@ class FlashBwdSm90(ProducerWarps):
                     sQ, sK, sV, sdO, pipe, kv_bar, bytes_KV,
                     n_block, kv_head, batch, group, m_block_min, m_blocks, n_iters,
                 )
-            if warp_idx == STATS_WARP:
+            if warp_idx == STATS_WARP and cutlass.const_expr(self.stats_warp):
                 self._load_stats(
                     mLSE, mDelta, sStats, batch, kv_head, group, m_block_min, m_blocks, n_iters, seqlen_q,
                 )
@@ -453,7 +456,7 @@ class FlashBwdSm90(ProducerWarps):
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._consume(
-                sStats, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sP, sdQ, pipe, kv_bar,
+                mLSE, mDelta, sStats, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sP, sdQ, pipe, kv_bar,
                 mma_sdp, mma_dkv, mma_dq, gmem_store_tile,
                 scale, scale_log2, softcap_in, lo, hi, n_block, kv_head, batch, group,
                 m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k, mQSeg, mKVSeg,
@@ -461,7 +464,7 @@ class FlashBwdSm90(ProducerWarps):
 
     @cute.jit
     def _consume(
-        self, sStats, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sP, sdQ, pipe, kv_bar,
+        self, mLSE, mDelta, sStats, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sP, sdQ, pipe, kv_bar,
         mma_sdp, mma_dkv, mma_dq, gmem_store_tile,
         scale, scale_log2, softcap_in, lo, hi, n_block, kv_head, batch, group,
         m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k, mQSeg, mKVSeg,
@@ -538,11 +541,22 @@ class FlashBwdSm90(ProducerWarps):
         if n_iters > 0:
             cute.arch.mbarrier_wait(kv_bar, 0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        # The first of the two query rows whose statistics this lane reads
-        # (see below). With split_head_dim a WG has M / 2 query columns, and
-        # the lanes past them (whose values no thread takes) read the last
-        # rows instead of the next stage's.
-        stat_row = cutlass.min(wg_row0 + own_query_column(lane, 0), M - 2)
+        # Statistics of the query rows (see transposed_scores): the columns of
+        # this thread repeat in every quad of its warp, so each lane takes the
+        # pair its quad index selects and the others come by shuffles.
+        if cutlass.const_expr(self.stats_warp):
+            # The first of this lane's two rows in sStats. With split_head_dim
+            # a WG has M / 2 query columns, and the lanes past them (whose
+            # values no thread takes) read the last rows, not the next stage.
+            stat_row = cutlass.min(wg_row0 + own_query_column(lane, 0), M - 2)
+        else:
+            # Loaded from global memory one query tile ahead (issued with the
+            # S^T / dP^T GEMMs, the loads outlasted them).
+            lse_q = cute.make_rmem_tensor(2, Float32)
+            delta_q = cute.make_rmem_tensor(2, Float32)
+            if n_iters > 0:
+                head0, m_block0 = query_tile_of(Int32(0), kv_head, group, m_block_min, m_blocks, self.deterministic)
+                load_query_stats(lse_q, delta_q, mLSE, mDelta, batch, head0, m_block0 * M + wg_row0, lane, seqlen_q)
         for it in cutlass.range(n_iters, unroll=1):
             _, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic)
             m0 = m_block * M
@@ -554,17 +568,18 @@ class FlashBwdSm90(ProducerWarps):
             self._wgmma(mma_sdp, acc_S, tSrK[None, None, None, 0], tSrQ[None, None, None, s], True)
             self._wgmma(mma_sdp, acc_dP, tdPrV[None, None, None, 0], tdPrdO[None, None, None, s], True)
 
-            # Statistics of the query rows (see transposed_scores): the columns
-            # of this thread repeat in every quad of its warp, so each lane
-            # reads the pair its quad index selects and the others come by
-            # shuffles.
-            stats_stage = it % self.stages
-            cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=DQ_BAR_THREADS)
-            lse_q = cute.make_rmem_tensor(2, Float32)
-            delta_q = cute.make_rmem_tensor(2, Float32)
-            for b in cutlass.range_constexpr(2):
-                lse_q[b] = sStats[stat_row + b, 0, stats_stage]
-                delta_q[b] = sStats[stat_row + b, 1, stats_stage]
+            lse_log2_pair = cute.make_rmem_tensor(2, Float32)
+            delta_pair = cute.make_rmem_tensor(2, Float32)
+            if cutlass.const_expr(self.stats_warp):
+                stats_stage = it % self.stages
+                cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=DQ_BAR_THREADS)
+                for b in cutlass.range_constexpr(2):
+                    lse_log2_pair[b] = sStats[stat_row + b, 0, stats_stage]
+                    delta_pair[b] = sStats[stat_row + b, 1, stats_stage]
+            else:
+                for b in cutlass.range_constexpr(2):
+                    lse_log2_pair[b] = lse_to_log2(lse_q[b])
+                    delta_pair[b] = delta_q[b]
 
             seg_pair = cute.make_rmem_tensor(2, Int32)
             tile_differs = False
@@ -580,7 +595,7 @@ class FlashBwdSm90(ProducerWarps):
                 cap_scores_with_slope(acc_S, acc_slope, softcap_in)
             acc_S_mn = wgmma_acc_as_rows_cols(acc_S)
             for c in cutlass.range_constexpr(n_queries):
-                row_lse = query_stat(lse_q, c, lane)
+                row_lse = query_stat(lse_log2_pair, c, lane)
                 for r in cutlass.range_constexpr(n_keys):
                     acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - row_lse, fastmath=True)
             full_tile = (
@@ -610,7 +625,7 @@ class FlashBwdSm90(ProducerWarps):
                 warpgroup.wait_group(1)
             acc_dP_mn = wgmma_acc_as_rows_cols(acc_dP)
             for c in cutlass.range_constexpr(n_queries):
-                delta = query_stat(delta_q, c, lane)
+                delta = query_stat(delta_pair, c, lane)
                 for r in cutlass.range_constexpr(n_keys):
                     acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - delta)
             if cutlass.const_expr(self.has_softcap):
@@ -649,6 +664,15 @@ class FlashBwdSm90(ProducerWarps):
                 cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQsdQ)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier_arrive(barrier_id=bar_dq_full(it % self.dq_writers), number_of_threads=DQ_BAR_THREADS)
+            if cutlass.const_expr(not self.stats_warp):
+                # After the dQ hand-off, whose shared-memory fence would wait
+                # for these loads too.
+                next_head, next_m_block = query_tile_of(
+                    cutlass.min(it + 1, n_iters - 1), kv_head, group, m_block_min, m_blocks, self.deterministic
+                )
+                load_query_stats(
+                    lse_q, delta_q, mLSE, mDelta, batch, next_head, next_m_block * M + wg_row0, lane, seqlen_q
+                )
             warpgroup.wait_group(0)
             if cutlass.const_expr(not self.dq_in_stage):
                 pipe.consumer_release(state)

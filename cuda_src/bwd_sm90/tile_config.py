@@ -28,6 +28,14 @@ class TileConfig:
     # (run 36: hd192 0.88 / 0.87, hd256 0.93 / 0.80 against two's 0.88-0.89
     # / 0.85-0.87 and 0.94 / 0.81-0.82).
     det_dq_writers: int = 2
+    # The deterministic variant with the stats warp (warp_roles.STATS_WARP;
+    # the default variant always has it). Without it the consumers load lse
+    # and delta themselves, one tile ahead. H100, deterministic causal, with
+    # / without in one process (results run 43), seq 2k / 8k / 16k: hd192
+    # 272 / 300-340 / 202-207 against 259 / 332 / 345 TFLOPS, hd256 263-268
+    # / 343-345 / 181-191 against 260 / 324 / 339. Why it collapses at long
+    # sequences is not understood; off at those head dims.
+    det_stats_warp: bool = True
 
     def __post_init__(self):
         if self.stages < 2:
@@ -82,6 +90,6 @@ TILE_CONFIGS = {
     64: TileConfig(m_block=64, n_block=128, stages=2),
     96: TileConfig(m_block=64, n_block=128, stages=2),
     128: TileConfig(m_block=64, n_block=128, stages=2),
-    192: TileConfig(m_block=64, n_block=64, stages=2, split_head_dim=True),
-    256: TileConfig(m_block=64, n_block=64, stages=2, split_head_dim=True, dq_in_stage=True),
+    192: TileConfig(m_block=64, n_block=64, stages=2, split_head_dim=True, det_stats_warp=False),
+    256: TileConfig(m_block=64, n_block=64, stages=2, split_head_dim=True, dq_in_stage=True, det_stats_warp=False),
 }

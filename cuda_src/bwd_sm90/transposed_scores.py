@@ -10,9 +10,13 @@ serves them to the others by shuffles (query_stat). (Holding all 16 per
 thread spilled at head_dim 64.)
 """
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+
+LOG2E = math.log2(math.e)
 
 
 @cute.jit
@@ -20,6 +24,28 @@ def own_query_column(lane, b: cutlass.Constexpr):
     """Column b of group lane // 4: a query row (within the tile) whose
     statistics this lane reads and serves (module docstring)."""
     return 8 * (lane // 4) + 2 * (lane % 4) + b
+
+
+@cute.jit
+def lse_to_log2(lse):
+    """lse * log2 e, with +inf for rows that see no key (lse = -inf), so
+    that P = 0 there."""
+    lse_log2 = lse * Float32(LOG2E)
+    if lse == -Float32.inf:
+        lse_log2 = Float32.inf
+    return lse_log2
+
+
+@cute.jit
+def load_query_stats(lse_pair, delta_pair, mLSE, mDelta, batch, head, m0, lane, seqlen_q):
+    """Without the stats warp: fill lse_pair and delta_pair with lse and
+    delta of this lane's two own_query_column rows (rows past seqlen_q take
+    the last row's, which the mask hides). Nothing here reads the loaded
+    values, so the loads stay in flight until the pairs are used."""
+    for b in cutlass.range_constexpr(2):
+        row = cutlass.min(m0 + own_query_column(lane, b), seqlen_q - 1)
+        lse_pair[b] = mLSE[batch, head, row]
+        delta_pair[b] = mDelta[batch, head, row]
 
 
 @cute.jit

@@ -3,14 +3,13 @@ register budgets and named barriers, and the warps of the producer warpgroup,
 which the kernel class inherits (ProducerWarps): the TMA loads of K, V, Q and
 dO, and the TMA reduce-add of each query tile's dQ."""
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32
+from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
+from transposed_scores import lse_to_log2
 from common.dsl_common import first_kv_block_seeing, query_tile_of, release_add_s32, wait_at_least
 
 WG_THREADS = 128
@@ -134,10 +133,7 @@ class ProducerWarps:
             for r in cutlass.range_constexpr(M // WARP_THREADS):
                 row = r * WARP_THREADS + lane
                 src = cutlass.min(m_block * M + row, seqlen_q - 1)
-                lse = mLSE[batch, head, src]
-                lse_log2 = lse * Float32(math.log2(math.e))
-                if lse == -Float32.inf:
-                    lse_log2 = Float32.inf
+                lse_log2 = lse_to_log2(mLSE[batch, head, src])
                 sStats[row, 0, stage] = lse_log2
                 sStats[row, 1, stage] = mDelta[batch, head, src]
             cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=DQ_BAR_THREADS)
