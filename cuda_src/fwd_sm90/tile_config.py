@@ -20,6 +20,11 @@ from dataclasses import dataclass
 # hd96 530-533 / 486-504, hd128 594-603 / 546-547, hd256 687-689 / 619-626.
 # Three consumer warpgroups (192-row tiles, 160 registers each) at hd64,
 # run 17: 498 / 431 against 429-443 / 396-399 with two (cuDNN 456 / 406).
+# Run 45 (bf16 plain variant only, seq 8192 / 2048): hd128 at 128 x 3 633 /
+# 564 and 571 / 458 against 605-612 / 557-564 and 556-588 / 439-468 for
+# 128 x 2 (the same kernel timed three times); hd64 at 128 x 5 with three
+# consumers 487 / 438 and 450 / 332 against 475-519 / 424-430 and 443-446
+# / 328-332. hd128 x 3 has not been through the GPU suite in every variant.
 # head_dim -> (tile_n, kv_stages, consumer warpgroups)
 TILE_CONFIG = {
     64: (128, 4, 3),
