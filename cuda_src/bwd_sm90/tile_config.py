@@ -85,7 +85,10 @@ class TileConfig:
 # each next to dK and dV), as does issuing the next tile's S^T / dP^T across
 # the loop turn. With dS^T computed from the 16-bit P^T (its fp32 copy dies
 # after the exp) they compile unserialised, but ran 306 / 281 against 344-348
-# / 322-328 (run 33), so 64 query rows stay.
+# / 322-328 (run 33), so 64 query rows stay. More Q / dO stages (run 46,
+# seq 8192 non-causal / causal): hd64 at 3 stages 400 / 357, at 4 392 / 360
+# against 397-401 / 362-363 at 2; hd96 at 3 464 / 422 against 453-457 /
+# 416-418: within the spread, so two stages stay.
 TILE_CONFIGS = {
     64: TileConfig(m_block=64, n_block=128, stages=2),
     96: TileConfig(m_block=64, n_block=128, stages=2),

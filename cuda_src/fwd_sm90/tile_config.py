@@ -24,12 +24,14 @@ from dataclasses import dataclass
 # 564 and 571 / 458 against 605-612 / 557-564 and 556-588 / 439-468 for
 # 128 x 2 (the same kernel timed three times); hd64 at 128 x 5 with three
 # consumers 487 / 438 and 450 / 332 against 475-519 / 424-430 and 443-446
-# / 328-332. hd128 x 3 has not been through the GPU suite in every variant.
+# / 328-332. hd128 ships at 128 x 3 since (GPU suite passed on it; run
+# 47, cuDNN in the same process: seq 8192 625 / 568 (1.06 / 1.08x), 16384
+# 637 / 642 (1.04 / 1.18x), 1024 500 / 357 (0.96 / 0.98x)).
 # head_dim -> (tile_n, kv_stages, consumer warpgroups)
 TILE_CONFIG = {
     64: (128, 4, 3),
     96: (128, 3, 2),
-    128: (128, 2, 2),
+    128: (128, 3, 2),
     192: (96, 2, 2),
     256: (80, 2, 2),
 }
