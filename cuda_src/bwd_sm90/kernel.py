@@ -14,6 +14,7 @@ registers away; warpgroups 1 and 2 compute with WGMMA:
     dV  += P^T dO    (each WG: its keys, all of the head dim; P^T from registers)
     dK  += dS^T Q    (same; times scale at the end)
     dQ   = dS K      (each WG: half of the head dim) -> shared -> TMA add
+                     (80 query rows do not tile WGMMA's M: dQ^T = K^T dS^T)
 
 Computing the transposed scores puts the keys in the WGMMA M dimension, so
 P^T and dS^T come out of the accumulators already in the register layout of
@@ -64,7 +65,6 @@ from common.dsl_common import (
     query_tile_of,
     segment_bounds_union,
     store_existing_rows,
-    wgmma_acc_as_operand_a,
     wgmma_acc_as_rows_cols,
 )
 from tile_config import TILE_CONFIGS, TileConfig
@@ -73,9 +73,11 @@ from transposed_scores import (
     lse_to_log2,
     own_query_column,
     query_stat,
+    stat_pairs,
     warp_sees_several_ids,
     zero_hidden_pairs,
 )
+from wgmma_views import as_operand_a, issue_wgmma, smem_tile_layout, transposed
 from warp_roles import (
     BAR_STAGE_READ,
     BAR_EPI,
@@ -140,6 +142,10 @@ class FlashBwdSm90(ProducerWarps):
         self.dq_in_stage = cfg.dq_in_stage
         self.dq_writers = cfg.det_dq_writers if deterministic else 1
         self.stats_warp = cfg.det_stats_warp or not deterministic
+        # Query rows that do not tile WGMMA's M (80): dQ^T = K^T dS^T instead.
+        self.dq_transposed = cfg.m_block % WGMMA_M != 0
+        if self.dq_transposed and (cfg.split_head_dim or cfg.m_block % 16 != 0 or not self.stats_warp):
+            raise NotImplementedError(f"m_block={cfg.m_block}: a multiple of 16, no split head dim, stats warp")
         if not 1 <= self.dq_writers <= MAX_DQ_WRITERS:
             raise ValueError(f"det_dq_writers={cfg.det_dq_writers}: 1 to {MAX_DQ_WRITERS}")
 
@@ -151,30 +157,9 @@ class FlashBwdSm90(ProducerWarps):
             return False
         if tile is None and head_dim not in TILE_CONFIGS:
             return False
-        return FlashBwdSm90.smem_bytes(head_dim, tile) <= SMEM_CAPACITY_SM90
-
-    @staticmethod
-    def smem_bytes(head_dim: int, tile: Optional[TileConfig] = None) -> int:
-        cfg = tile or TILE_CONFIGS[head_dim]
-        q_do = 2 * cfg.stages * cfg.m_block * head_dim * 2
-        k_v = 2 * cfg.n_block * head_dim * 2
-        p_ds = (2 if cfg.split_head_dim else 1) * cfg.stages * cfg.m_block * cfg.n_block * 2
-        dq = 0 if cfg.dq_in_stage else cfg.m_block * head_dim * 4
-        stats = 2 * cfg.m_block * cfg.stages * 4 + 128
-        return q_do + k_v + p_ds + dq + stats + 1024
+        return (tile or TILE_CONFIGS[head_dim]).smem_bytes(head_dim) <= SMEM_CAPACITY_SM90
 
     # ------------------------------------------------------------------ host
-    def _smem_layout(self, rows: int, cols: int, stages: int, major_size: int):
-        """Row-major (rows, cols, stages) tile of WGMMA swizzle atoms.
-
-        The same bytes serve K-major reads (cols is the reduction dim) and
-        MN-major reads of the transposed view, so the atom width must divide
-        the widest per-WG slice of `cols` any GEMM reads: `major_size`.
-        """
-        kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, major_size)
-        atom = warpgroup.make_smem_layout_atom(kind, self.dtype)
-        return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
-
     def _tiled_mma(self, a_major, b_major, atoms, tile_n):
         return sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, a_major, b_major, Float32, atoms, (WGMMA_M, tile_n)
@@ -221,10 +206,10 @@ class FlashBwdSm90(ProducerWarps):
         # the keys (split_head_dim: dK/dV the head dim, S^T/dP^T the query
         # rows): these are the per-WG extents each buffer is read with. P^T
         # and dS^T are stored as (keys, query rows).
-        sQ_layout = self._smem_layout(M, D, st, D // NUM_MMA_WG if split else D)
-        sK_layout = self._smem_layout(N, D, 1, D // NUM_MMA_WG)
-        sV_layout = self._smem_layout(N, D, 1, D // NUM_MMA_WG if split else D)  # dV staged here
-        sdS_layout = self._smem_layout(N, M, st, M)
+        sQ_layout = smem_tile_layout(self.dtype, M, D, st, D // NUM_MMA_WG if split else D)
+        sK_layout = smem_tile_layout(self.dtype, N, D, 1, D // NUM_MMA_WG)
+        sV_layout = smem_tile_layout(self.dtype, N, D, 1, D // NUM_MMA_WG if split else D)  # dV staged here
+        sdS_layout = smem_tile_layout(self.dtype, N, M, st, M)
         # fp32 dQ tile, swizzled so that the accumulator's row pairs land in
         # distinct banks; the TMA reads it back box by box.
         dq_atom = warpgroup.make_smem_layout_atom(
@@ -245,7 +230,11 @@ class FlashBwdSm90(ProducerWarps):
                 self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (NUM_MMA_WG, 1, 1), (WGMMA_M, D),
                 warpgroup.OperandSource.RMEM,
             )
-        mma_dq = self._tiled_mma(MN_MAJOR, MN_MAJOR, (1, NUM_MMA_WG, 1), D // NUM_MMA_WG)
+        if cutlass.const_expr(self.dq_transposed):
+            # dQ^T = K^T dS^T: the head dim is the WGMMA M, split over the WGs.
+            mma_dq = self._tiled_mma(MN_MAJOR, MN_MAJOR, (NUM_MMA_WG, 1, 1), M)
+        else:
+            mma_dq = self._tiled_mma(MN_MAJOR, MN_MAJOR, (1, NUM_MMA_WG, 1), D // NUM_MMA_WG)
 
         # TMA views are (seqlen, head_dim, heads, batch) so a (rows, D) box
         # tiles the first two modes; rows past seqlen read as zeros.
@@ -479,10 +468,10 @@ class FlashBwdSm90(ProducerWarps):
         wg_row0 = wg * (M // NUM_MMA_WG) if split else 0
 
         # Transposed views (same bytes) for the MN-major operands.
-        sQt = _transpose(sQ)
-        sdOt = _transpose(sdO)
-        sKt = _transpose(sK)
-        sdS_rows = _transpose(sdS)  # (query rows, keys): the A operand of dQ
+        sQt = transposed(sQ)
+        sdOt = transposed(sdO)
+        sKt = transposed(sK)
+        sdS_rows = transposed(sdS)  # (query rows, keys): an operand of dQ
 
         # Shared-memory operands are partitioned per warpgroup (descriptors),
         # accumulators per thread.
@@ -498,8 +487,11 @@ class FlashBwdSm90(ProducerWarps):
         tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt))
         tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt))
-        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS_rows))
-        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
+        # dQ = dS K, or dQ^T = K^T dS^T (dq_transposed).
+        dq_a, dq_b = (sKt, sdS_rows) if self.dq_transposed else (sdS_rows, sKt)
+        dq_shape = (D, M) if self.dq_transposed else (M, D)
+        tdQrA = wg_dq.make_fragment_A(wg_dq.partition_A(dq_a))
+        tdQrB = wg_dq.make_fragment_B(wg_dq.partition_B(dq_b))
         if cutlass.const_expr(split):
             tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_A(sP))
             tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_A(sdS))
@@ -519,12 +511,15 @@ class FlashBwdSm90(ProducerWarps):
         tdSsdS = thr_r2s.partition_D(sdS)
         if cutlass.const_expr(split):
             tPsP = thr_r2s.partition_D(sP)
-        # dQ: registers -> the swizzled fp32 tile, two columns per store.
+        # dQ: registers -> the swizzled fp32 tile, two columns per store. dQ^T
+        # goes one element per store into the transposed view: the four rows
+        # of sdQ one store instruction writes fall in distinct banks (swizzle).
+        dq_bits, dq_view = (32, transposed(sdQ)) if self.dq_transposed else (64, sdQ)
         r2s_dq = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), mma_dq
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=dq_bits), mma_dq
         )
         thr_r2s_dq = r2s_dq.get_slice(tidx)
-        tdQsdQ = thr_r2s_dq.partition_D(sdQ)  # dq_in_stage: with a stage mode
+        tdQsdQ = thr_r2s_dq.partition_D(dq_view)  # dq_in_stage: with a stage mode
 
         # S^T and dP^T tiles: (key, query row) of every accumulator element.
         tScS = wgmma_acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((N, M))))
@@ -543,7 +538,9 @@ class FlashBwdSm90(ProducerWarps):
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         # Statistics of the query rows (see transposed_scores): the columns of
         # this thread repeat in every quad of its warp, so each lane takes the
-        # pair its quad index selects and the others come by shuffles.
+        # pair its quad index selects and the others come by shuffles. With
+        # dq_transposed each thread reads its own columns from sStats: the
+        # shuffles' source lanes took registers that 80 query rows lack.
         if cutlass.const_expr(self.stats_warp):
             # The first of this lane's two rows in sStats. With split_head_dim
             # a WG has M / 2 query columns, and the lanes past them (whose
@@ -565,28 +562,30 @@ class FlashBwdSm90(ProducerWarps):
             pipe.consumer_wait(state)
             acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((N, M)), Float32)
             acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((N, M)), Float32)
-            self._wgmma(mma_sdp, acc_S, tSrK[None, None, None, 0], tSrQ[None, None, None, s], True)
-            self._wgmma(mma_sdp, acc_dP, tdPrV[None, None, None, 0], tdPrdO[None, None, None, s], True)
+            issue_wgmma(mma_sdp, acc_S, tSrK[None, None, None, 0], tSrQ[None, None, None, s], True)
+            issue_wgmma(mma_sdp, acc_dP, tdPrV[None, None, None, 0], tdPrdO[None, None, None, s], True)
 
             lse_log2_pair = cute.make_rmem_tensor(2, Float32)
             delta_pair = cute.make_rmem_tensor(2, Float32)
             if cutlass.const_expr(self.stats_warp):
                 stats_stage = it % self.stages
                 cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=DQ_BAR_THREADS)
-                for b in cutlass.range_constexpr(2):
-                    lse_log2_pair[b] = sStats[stat_row + b, 0, stats_stage]
-                    delta_pair[b] = sStats[stat_row + b, 1, stats_stage]
+                if cutlass.const_expr(not self.dq_transposed):
+                    for b in cutlass.range_constexpr(2):
+                        lse_log2_pair[b] = sStats[stat_row + b, 0, stats_stage]
+                        delta_pair[b] = sStats[stat_row + b, 1, stats_stage]
             else:
                 for b in cutlass.range_constexpr(2):
                     lse_log2_pair[b] = lse_to_log2(lse_q[b])
                     delta_pair[b] = delta_q[b]
 
-            seg_pair = cute.make_rmem_tensor(2, Int32)
+            n_seg = 2 * stat_pairs(M // NUM_MMA_WG if split else M)
+            seg_pair = cute.make_rmem_tensor(n_seg, Int32)
             tile_differs = False
             if cutlass.const_expr(self.has_segments):
-                for b in cutlass.range_constexpr(2):
-                    row = m0 + wg_row0 + own_query_column(lane, b)
-                    seg_pair[b] = mQSeg[batch, cutlass.min(row, seqlen_q - 1)]
+                for i in cutlass.range_constexpr(n_seg):
+                    row = m0 + wg_row0 + own_query_column(lane, i % 2, i // 2)
+                    seg_pair[i] = mQSeg[batch, cutlass.min(row, seqlen_q - 1)]
                 tile_differs = warp_sees_several_ids(key_seg, seg_pair)
 
             warpgroup.wait_group(1)
@@ -595,7 +594,10 @@ class FlashBwdSm90(ProducerWarps):
                 cap_scores_with_slope(acc_S, acc_slope, softcap_in)
             acc_S_mn = wgmma_acc_as_rows_cols(acc_S)
             for c in cutlass.range_constexpr(n_queries):
-                row_lse = query_stat(lse_log2_pair, c, lane)
+                if cutlass.const_expr(self.dq_transposed):
+                    row_lse = sStats[tScS[0, c][1], 0, stats_stage]
+                else:
+                    row_lse = query_stat(lse_log2_pair, c, lane)
                 for r in cutlass.range_constexpr(n_keys):
                     acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - row_lse, fastmath=True)
             full_tile = (
@@ -612,40 +614,53 @@ class FlashBwdSm90(ProducerWarps):
             elif not full_tile:
                 zero_hidden_pairs(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi)
             rPt = cute.make_fragment_like(acc_S, self.dtype)
-            rPt.store(acc_S.load().to(self.dtype))
             if cutlass.const_expr(split):
+                rPt.store(acc_S.load().to(self.dtype))
                 # dV needs every query row of P^T: the other WG's half too.
                 cute.copy(r2s_sdp, thr_r2s.retile(rPt), tPsP[None, None, None, s])
                 warpgroup.wait_group(0)
+            elif cutlass.const_expr(self.dq_transposed):
+                # 16-bit P^T next to the fp32 S^T, dP^T, dK and dV: more than
+                # 240 registers (ptxas serialised every WGMMA), so P^T is
+                # converted once dS^T has read the fp32 one, and dV issued
+                # after the dS^T stores (issued before them, it serialised too).
+                warpgroup.wait_group(0)
             else:
+                rPt.store(acc_S.load().to(self.dtype))
                 # P^T stays in registers as the A operand of dV += P^T dO,
                 # which only needs this warpgroup's keys: no barrier before it.
-                tdVrPt = cute.make_tensor(rPt.iterator, wgmma_acc_as_operand_a(rPt.layout))
-                self._wgmma(mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, s], False)
+                issue_wgmma(mma_dkv, acc_dV, as_operand_a(rPt), tdVrdOt[None, None, None, s], False)
                 warpgroup.wait_group(1)
             acc_dP_mn = wgmma_acc_as_rows_cols(acc_dP)
             for c in cutlass.range_constexpr(n_queries):
-                delta = query_stat(delta_pair, c, lane)
+                if cutlass.const_expr(self.dq_transposed):
+                    delta = sStats[tScS[0, c][1], 1, stats_stage]
+                else:
+                    delta = query_stat(delta_pair, c, lane)
                 for r in cutlass.range_constexpr(n_keys):
                     acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - delta)
             if cutlass.const_expr(self.has_softcap):
                 acc_dP.store(acc_dP.load() * acc_slope.load())
+            if cutlass.const_expr(self.dq_transposed):
+                rPt.store(acc_S.load().to(self.dtype))
             rdSt = cute.make_fragment_like(acc_dP, self.dtype)
             rdSt.store(acc_dP.load().to(self.dtype))
             cute.copy(r2s_sdp, thr_r2s.retile(rdSt), tdSsdS[None, None, None, s])
+            if cutlass.const_expr(self.dq_transposed):
+                issue_wgmma(mma_dkv, acc_dV, as_operand_a(rPt), tdVrdOt[None, None, None, s], False)
 
             # Generic-proxy stores must be visible to WGMMA (async proxy),
             # and dQ reads the other WG's keys of dS.
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=NUM_MMA_THREADS)
-            acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((M, D)), Float32)
-            self._wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, s], tdQrKt[None, None, None, 0], True)
+            acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C(dq_shape), Float32)
+            a_stage, b_stage = (0, s) if self.dq_transposed else (s, 0)  # K has one stage
+            issue_wgmma(mma_dq, acc_dQ, tdQrA[None, None, None, a_stage], tdQrB[None, None, None, b_stage], True)
             if cutlass.const_expr(split):
-                self._wgmma(mma_dkv, acc_dV, tdVrP[None, None, None, s], tdVrdOt[None, None, None, s], False)
-                self._wgmma(mma_dkv, acc_dK, tdKrdS[None, None, None, s], tdKrQt[None, None, None, s], False)
+                issue_wgmma(mma_dkv, acc_dV, tdVrP[None, None, None, s], tdVrdOt[None, None, None, s], False)
+                issue_wgmma(mma_dkv, acc_dK, tdKrdS[None, None, None, s], tdKrQt[None, None, None, s], False)
             else:
-                tdKrdSt = cute.make_tensor(rdSt.iterator, wgmma_acc_as_operand_a(rdSt.layout))
-                self._wgmma(mma_dkv, acc_dK, tdKrdSt, tdKrQt[None, None, None, s], False)
+                issue_wgmma(mma_dkv, acc_dK, as_operand_a(rdSt), tdKrQt[None, None, None, s], False)
 
             # dQ leaves while the dK (and dV) GEMMs are still in flight.
             warpgroup.wait_group(2 if split else 1)
@@ -692,19 +707,3 @@ class FlashBwdSm90(ProducerWarps):
         cute.arch.barrier(barrier_id=BAR_EPI, number_of_threads=NUM_MMA_THREADS)
         store_existing_rows(gmem_store_tile, sK[None, None, 0], mdK[batch, None, kv_head, None], n_block, seqlen_k, tidx, N, D, self.dtype)
         store_existing_rows(gmem_store_tile, sV[None, None, 0], mdV[batch, None, kv_head, None], n_block, seqlen_k, tidx, N, D, self.dtype)
-
-    # -------------------------------------------------------------- helpers
-    @cute.jit
-    def _wgmma(self, tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr):
-        """Issue acc (+)= A B as one WGMMA group (not waited on)."""
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, not zero_init or k != 0)
-            cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        warpgroup.commit_group()
-
-
-def _transpose(t: cute.Tensor) -> cute.Tensor:
-    """(rows, cols, stages) -> (cols, rows, stages) view of the same bytes."""
-    shape = (t.shape[1], t.shape[0], t.shape[2])
-    return cute.composition(t, cute.make_ordered_layout(shape, order=(1, 0, 2)))

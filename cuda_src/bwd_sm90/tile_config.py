@@ -41,6 +41,16 @@ class TileConfig:
         if self.stages < 2:
             raise ValueError(f"stages must be >= 2 (warp_roles.BAR_STATS), got {self.stages}")
 
+    def smem_bytes(self, head_dim: int) -> int:
+        """Bytes of FlashBwdSm90's SharedStorage at this tile (its size is a
+        multiple of its 1024-byte alignment)."""
+        q_do = 2 * self.stages * self.m_block * head_dim * 2
+        k_v = 2 * self.n_block * head_dim * 2
+        p_ds = (2 if self.split_head_dim else 1) * self.stages * self.m_block * self.n_block * 2
+        dq = 0 if self.dq_in_stage else self.m_block * head_dim * 4
+        stats = 2 * self.m_block * self.stages * 4 + 128
+        return -(-(q_do + k_v + p_ds + dq + stats + 1024) // 1024) * 1024
+
 
 # Frozen per head dim. n_block = 128 puts one 64-row WGMMA per consumer WG in
 # the S^T, dP^T, dK and dV GEMMs; m_block = 64 keeps the S^T/dP^T/dQ
@@ -74,6 +84,14 @@ class TileConfig:
 # shared memory: hd192 385 / 380, hd256 388 / 385 against 382-390 / 380-383
 # and 381-387 / 392-394 shipped, so the 32-wide score GEMMs are not what
 # holds these head dims back (that trial also had a dQ bug; not kept).
+# hd128 at 80 query rows (TileConfig(80, 128, 2), export --tile 80,128,2,
+# FlashAttention-3's non-causal hd128 tile; not timed yet): 80 rows do not
+# tile WGMMA's M = 64, so dQ^T = K^T dS^T (the head dim as M, the WGs
+# splitting it), stored transposed into the fp32 dQ tile; S^T, dP^T and dQ^T
+# are 40 floats per thread, and each thread reads lse and delta of its own
+# columns from shared memory. SharedStorage is 227 KiB exactly. ptxas: no
+# spills, WGMMAs unserialised only with P^T converted after dS^T and dV
+# issued after the dS^T stores (kernel.py).
 # Runs 27 (H100) and 9 (H200), hd64 / hd128 at 64 x 128, not kept: lse and
 # delta loaded before the S^T / dP^T GEMMs are issued, with an immediate
 # shuffle source lane, hd64 338 / 318 and hd128 449 / 439 against 343-349 /

@@ -7,7 +7,11 @@ every 8-column group g, and all lanes with the same l % 4 hold the same
 columns. A thread's 16 query rows would take 16 registers per statistic, so
 each lane reads only the two rows of group l // 4 (own_query_column) and
 serves them to the others by shuffles (query_stat). (Holding all 16 per
-thread spilled at head_dim 64.)
+thread spilled at head_dim 64.) The 32 lanes serve 8 groups, 64 columns, per
+pair of rows: 80 query rows give each lane one pair per 64 columns
+(stat_pairs), the lanes past the last group serving nobody. (That tile
+takes only its segment ids this way: each thread reads lse and delta of its
+own columns from shared memory, see kernel.py.)
 """
 
 import math
@@ -19,11 +23,19 @@ from cutlass import Float32, Int32
 LOG2E = math.log2(math.e)
 
 
+PAIR_COLUMNS = 64  # columns whose statistics one pair per lane covers
+
+
+def stat_pairs(columns: int) -> int:
+    """Pairs of statistics per lane for a tile of `columns` query columns."""
+    return (columns + PAIR_COLUMNS - 1) // PAIR_COLUMNS
+
+
 @cute.jit
-def own_query_column(lane, b: cutlass.Constexpr):
-    """Column b of group lane // 4: a query row (within the tile) whose
-    statistics this lane reads and serves (module docstring)."""
-    return 8 * (lane // 4) + 2 * (lane % 4) + b
+def own_query_column(lane, b: cutlass.Constexpr, pair: cutlass.Constexpr = 0):
+    """Column b of group 8 * pair + lane // 4: a query row (within the tile)
+    whose statistics this lane reads and serves (module docstring)."""
+    return PAIR_COLUMNS * pair + 8 * (lane // 4) + 2 * (lane % 4) + b
 
 
 @cute.jit
@@ -53,7 +65,8 @@ def query_stat(pair, c: cutlass.Constexpr, lane):
     """The value for column index c = 2 g + b of a thread's accumulator
     (wgmma_acc_as_rows_cols order), shuffled from the lane that read
     column group g."""
-    return cute.arch.shuffle_sync(pair[c % 2], 4 * (c // 2) + lane % 4)
+    group = c // 2
+    return cute.arch.shuffle_sync(pair[2 * (group // 8) + c % 2], 4 * (group % 8) + lane % 4)
 
 
 @cute.jit
@@ -63,6 +76,8 @@ def warp_sees_several_ids(key_seg, seg_pair):
     segment id; the answer is warp-uniform."""
     first = cute.arch.shuffle_sync(key_seg[0], 0)
     differs = seg_pair[0] != first or seg_pair[1] != first
+    for i in cutlass.range_constexpr(2, cute.size(seg_pair)):
+        differs = differs or seg_pair[i] != first
     for r in cutlass.range_constexpr(cute.size(key_seg)):
         differs = differs or key_seg[r] != first
     return cute.arch.vote_any_sync(differs)

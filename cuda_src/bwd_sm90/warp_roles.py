@@ -132,11 +132,20 @@ class ProducerWarps:
             stage = it % st
             for r in cutlass.range_constexpr(M // WARP_THREADS):
                 row = r * WARP_THREADS + lane
-                src = cutlass.min(m_block * M + row, seqlen_q - 1)
-                lse_log2 = lse_to_log2(mLSE[batch, head, src])
-                sStats[row, 0, stage] = lse_log2
-                sStats[row, 1, stage] = mDelta[batch, head, src]
+                self._stage_query_stats(mLSE, mDelta, sStats, batch, head, m_block, row, stage, seqlen_q)
+            if cutlass.const_expr(M % WARP_THREADS != 0):  # 80 rows: 16 lanes do the last 16
+                row = M - M % WARP_THREADS + lane
+                if row < M:
+                    self._stage_query_stats(mLSE, mDelta, sStats, batch, head, m_block, row, stage, seqlen_q)
             cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=DQ_BAR_THREADS)
+
+    @cute.jit
+    def _stage_query_stats(self, mLSE, mDelta, sStats, batch, head, m_block, row, stage, seqlen_q):
+        """Row `row` of query tile m_block into its stage of sStats."""
+        src = cutlass.min(m_block * self.m_block + row, seqlen_q - 1)
+        lse_log2 = lse_to_log2(mLSE[batch, head, src])
+        sStats[row, 0, stage] = lse_log2
+        sStats[row, 1, stage] = mDelta[batch, head, src]
 
     @cute.jit
     def _produce(

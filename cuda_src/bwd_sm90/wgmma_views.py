@@ -1,0 +1,48 @@
+"""How the sm90 backward (kernel.py) hands operands to WGMMA: shared tiles
+read through transposed views of the same bytes, 16-bit copies of
+accumulators reused as register A operands, and the issue of one GEMM as a
+WGMMA group."""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.utils import LayoutEnum
+
+from common.dsl_common import wgmma_acc_as_operand_a
+
+
+def smem_tile_layout(dtype, rows: int, cols: int, stages: int, major_size: int):
+    """Row-major (rows, cols, stages) tile of WGMMA swizzle atoms.
+
+    The same bytes serve K-major reads (cols is the reduction dim) and
+    MN-major reads of the transposed view, so the atom width must divide
+    the widest per-WG slice of `cols` any GEMM reads: `major_size` (80 query
+    rows of 16 bits, 160 bytes, admit only the 32-byte swizzle).
+    """
+    kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, major_size)
+    atom = warpgroup.make_smem_layout_atom(kind, dtype)
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def transposed(t: cute.Tensor) -> cute.Tensor:
+    """(rows, cols[, stages]) -> (cols, rows[, stages]) view of the same bytes."""
+    rest = tuple(range(2, cute.rank(t)))
+    shape = (t.shape[1], t.shape[0], *(t.shape[i] for i in rest))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=(1, 0, *rest)))
+
+
+def as_operand_a(frag: cute.Tensor) -> cute.Tensor:
+    """A 16-bit copy of a key-major accumulator (P^T, dS^T) as the A operand
+    of dV / dK."""
+    return cute.make_tensor(frag.iterator, wgmma_acc_as_operand_a(frag.layout))
+
+
+@cute.jit
+def issue_wgmma(tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr):
+    """Issue acc (+)= A B as one WGMMA group (not waited on)."""
+    warpgroup.fence()
+    for k in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, not zero_init or k != 0)
+        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+    warpgroup.commit_group()
