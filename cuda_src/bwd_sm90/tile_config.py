@@ -55,8 +55,9 @@ class TileConfig:
 # Frozen per head dim. n_block = 128 puts one 64-row WGMMA per consumer WG in
 # the S^T, dP^T, dK and dV GEMMs; m_block = 64 keeps the S^T/dP^T/dQ
 # fragments at 32 floats per thread next to dK and dV (64 each at hd128)
-# within 240 registers. Shared memory (2 stages, dS, fp32 dQ tile): hd128
-# 192 KiB, hd96 152 KiB, hd64 112 KiB.
+# within 240 registers (hd128 takes 80 rows since: see below). Shared
+# memory (2 stages, dS, fp32 dQ tile): hd128 227 KiB (192 at 64 rows), hd96
+# 152 KiB, hd64 112 KiB.
 # Measured on H100 (bf16, batch 2, 16 heads, seq 8192, backward TFLOPS,
 # non-causal / causal, cuDNN in the same process; results runs 6 and 13):
 # the earlier layout (S = Q K^T, P through shared memory, dQ by red.global,
@@ -85,13 +86,16 @@ class TileConfig:
 # and 381-387 / 392-394 shipped, so the 32-wide score GEMMs are not what
 # holds these head dims back (that trial also had a dQ bug; not kept).
 # hd128 at 80 query rows (TileConfig(80, 128, 2), export --tile 80,128,2,
-# FlashAttention-3's non-causal hd128 tile; not timed yet): 80 rows do not
+# FlashAttention-3's non-causal hd128 tile; shipped): 80 rows do not
 # tile WGMMA's M = 64, so dQ^T = K^T dS^T (the head dim as M, the WGs
 # splitting it), stored transposed into the fp32 dQ tile; S^T, dP^T and dQ^T
 # are 40 floats per thread, and each thread reads lse and delta of its own
 # columns from shared memory. SharedStorage is 227 KiB exactly. ptxas: no
 # spills, WGMMAs unserialised only with P^T converted after dS^T and dV
-# issued after the dS^T stores (kernel.py).
+# issued after the dS^T stores (kernel.py). H100 against 64 rows in one
+# process (results run 48, non-causal / causal): seq 8192 544 / 480 against
+# 498-503 / 464-469 TFLOPS (cuDNN 506 / 460), 2048 473 / 389 against 447-449
+# / 354-377, 1024 393 / 270 against 384-388 / 284-285.
 # Runs 27 (H100) and 9 (H200), hd64 / hd128 at 64 x 128, not kept: lse and
 # delta loaded before the S^T / dP^T GEMMs are issued, with an immediate
 # shuffle source lane, hd64 338 / 318 and hd128 449 / 439 against 343-349 /
@@ -110,7 +114,7 @@ class TileConfig:
 TILE_CONFIGS = {
     64: TileConfig(m_block=64, n_block=128, stages=2),
     96: TileConfig(m_block=64, n_block=128, stages=2),
-    128: TileConfig(m_block=64, n_block=128, stages=2),
+    128: TileConfig(m_block=80, n_block=128, stages=2),
     192: TileConfig(m_block=64, n_block=64, stages=2, split_head_dim=True, det_stats_warp=False),
     256: TileConfig(m_block=64, n_block=64, stages=2, split_head_dim=True, dq_in_stage=True, det_stats_warp=False),
 }
