@@ -63,6 +63,12 @@ class ShortTile:
 # shipped: causal 1024 260 (cuDNN 281), causal 2048 321 (cuDNN 345),
 # non-causal 1024 368 (cuDNN 388). Run 32: three stages no different (258,
 # 331, 370 against 259, 323-329, 365-376), 96-key tiles slower.
+# A persistent grid instead (one CTA per SM walking the tiles longest first,
+# the K / V pipeline running on from tile to tile, O through its own buffer
+# at hd64 / hd96 / hd128 at 2 stages; branch fwd-persistent, results run
+# 48) was slower everywhere: hd128 non-causal 1024 329 against 507-529
+# TFLOPS, 8192 573 against 626-630; hd64 8192 394 against 475-477; hd256
+# 8192 620 against 654-683. Why is not known (not profiled).
 SHORT_TILE = {
     64: ShortTile(consumers=1, kv_stages=2, ctas_per_sm=2, max_seqlen_q_causal=2048, max_seqlen_q=1024),
 }
