@@ -68,7 +68,9 @@ class ShortTile:
 # at hd64 / hd96 / hd128 at 2 stages; branch fwd-persistent, results run
 # 48) was slower everywhere: hd128 non-causal 1024 329 against 507-529
 # TFLOPS, 8192 573 against 626-630; hd64 8192 394 against 475-477; hd256
-# 8192 620 against 654-683. Why is not known (not profiled).
+# 8192 620 against 654-683. Its tile order ran heads fastest, so the CTAs
+# in flight each streamed another head's K / V instead of sharing it in L2;
+# the branch now keeps this grid's order (query tiles fastest), not timed.
 SHORT_TILE = {
     64: ShortTile(consumers=1, kv_stages=2, ctas_per_sm=2, max_seqlen_q_causal=2048, max_seqlen_q=1024),
 }
