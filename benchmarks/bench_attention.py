@@ -33,14 +33,28 @@ from jax_flash import benchmark
 # XLA materialises the [B, N, S, S] scores; past this length it runs out of memory.
 XLA_MAX_SEQ = 8192
 DETERMINISTIC = "deterministic"
-HEADER = (f"{'hd':>4}{'seq':>7}{'causal':>7}  {'impl':<24}{'fwd TF':>8}{'bwd TF':>8}"
+HEADER = (f"{'hd':>7}{'seq':>7}{'causal':>7}  {'impl':<24}{'fwd TF':>8}{'bwd TF':>8}"
           f"{'fwd/cuDNN':>10}{'bwd/cuDNN':>10}{'fwd/ceil':>9}{'bwd/ceil':>9}{'elapsed':>9}")
 
 
+def head_dims_arg(text: str):
+  """``128`` -> 128; ``192/128`` -> (192, 128): head dim and V head dim."""
+  dims = tuple(int(part) for part in text.split("/"))
+  if len(dims) > 2:
+    raise argparse.ArgumentTypeError(f"expected HEAD_DIM or HEAD_DIM/HEAD_DIM_V, got {text!r}")
+  return dims[0] if len(dims) == 1 else dims
+
+
+def _dims(entry) -> tuple:
+  return (entry, None) if isinstance(entry, int) else entry
+
+
 def sweep_configs(head_dims, seqs, causal_values, tokens: int, heads: int, dtype: str) -> list:
-  """One Config per (head dim, seq, causal), ``tokens`` tokens per batch."""
-  return [benchmark.Config(max(tokens // seq, 1), seq, heads, head_dim, causal, dtype)
-          for head_dim, seq, causal in itertools.product(head_dims, seqs, causal_values)]
+  """One Config per (head dim, seq, causal), ``tokens`` tokens per batch; a
+  head dims entry is an int or a (head_dim, head_dim_v) pair."""
+  return [benchmark.Config(max(tokens // seq, 1), seq, heads, _dims(entry)[0], causal, dtype,
+                           head_dim_v=_dims(entry)[1])
+          for entry, seq, causal in itertools.product(head_dims, seqs, causal_values)]
 
 
 def measured_line(config, name: str, result: dict, anchor: dict | None, ceiling: float,
@@ -58,7 +72,7 @@ def measured_line(config, name: str, result: dict, anchor: dict | None, ceiling:
   anchor = anchor or {}
   cells += [number(ratio(op, anchor.get(f"{op}_tflops")), 10, 2) for op in ("fwd", "bwd")]
   cells += [number(ratio(op, ceiling), 9, 2) for op in ("fwd", "bwd")]
-  return (f"{config.head_dim:>4}{config.seq:>7}{str(config.causal):>7}  {name:<24}"
+  return (f"{config.dims_label:>7}{config.seq:>7}{str(config.causal):>7}  {name:<24}"
           + "".join(cells) + f"{elapsed_s:>8.0f}s")
 
 
@@ -76,7 +90,9 @@ def measurements(impls, deterministic: bool, label: str = "") -> list:
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+  parser.add_argument("--head-dims", type=head_dims_arg, nargs="+", default=[64, 128, 256],
+                      help="head dims; HEAD_DIM/HEAD_DIM_V for a narrower V, e.g. 192/128 "
+                           "(cuDNN and Pallas take V padded, as their JAX APIs require)")
   parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
   parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
   parser.add_argument("--tokens", type=int, default=16384)
@@ -143,7 +159,7 @@ def main(argv=None) -> int:
       try:
         result = benchmark.measure(impl, config, iters=args.iters, **options)
       except Exception as e:  # a configuration an implementation rejects is reported, not fatal
-        print(f"{config.head_dim:>4}{config.seq:>7}{str(config.causal):>7}  {name:<24}failed: "
+        print(f"{config.dims_label:>7}{config.seq:>7}{str(config.causal):>7}  {name:<24}failed: "
               f"{benchmark.error_summary(e)}", flush=True)
         continue
       results[name] = result
@@ -175,7 +191,9 @@ def packed(args, ceiling: float) -> int:
   """Issue 5's packed-row benchmark: milliseconds of jax_flash with segment
   ids, of the same kernel on the dense causal row, and of cuDNN with JAX's
   segment offsets, plus cuDNN's largest difference from jax_flash."""
-  config = benchmark.Config(1, args.tokens, args.heads, args.head_dims[0], True, args.dtype)
+  head_dim, head_dim_v = _dims(args.head_dims[0])
+  config = benchmark.Config(1, args.tokens, args.heads, head_dim, True, args.dtype,
+                            head_dim_v=head_dim_v)
   ids, lengths = benchmark.packed_document_ids(args.tokens, args.packed_docs)
   variant = f"packed-{args.packed_docs}-docs"
   results = {("jax_flash", variant): benchmark.measure_packed(config, ids, iters=args.iters),

@@ -3,7 +3,7 @@
     python benchmarks/plot_results.py benchmarks/results/h100-2026-11-21.json --out h100.png
     python benchmarks/plot_results.py benchmarks/results/h100-2026-11-21.json --out run3.png --run 3
 
-One panel per head dim, the forward in the top row and the backward below it.
+One panel per head dim (or head dim pair, e.g. 192/128), the forward in the top row and the backward below it.
 A line per implementation (with its variant, and its dtype where the rows mix
 dtypes): solid without a mask, dashed causal. The dotted grey line is the
 matmul ceiling measured in the same run. A configuration measured more than
@@ -29,14 +29,15 @@ def series_name(row: dict, several_dtypes: bool) -> str:
 
 
 def collect_points(rows: list) -> dict:
-  """``{(op, head_dim, series, causal): {seq: tflops}}`` from the rows that
+  """``{(op, (head_dim, head_dim_v), series, causal): {seq: tflops}}`` from the rows that
   have TFLOPS (packed-document rows carry milliseconds only); later rows of
   the same configuration replace earlier ones."""
   timed = [r for r in rows if r.get("op") in OPS and r.get("tflops") is not None]
   several_dtypes = len({r["dtype"] for r in timed}) > 1
   points = {}
   for row in timed:
-    key = (row["op"], row["head_dim"], series_name(row, several_dtypes), row["causal"])
+    dims = (row["head_dim"], row.get("head_dim_v") or row["head_dim"])
+    key = (row["op"], dims, series_name(row, several_dtypes), row["causal"])
     points.setdefault(key, {})[row["seq_q"]] = row["tflops"]
   return points
 
@@ -106,7 +107,8 @@ def plot(rows: list, path) -> int:
       ax.set_xticks(seqs, [size_label(s) for s in seqs])
       ax.set_ylim(bottom=0)
       ax.grid(True, alpha=0.3)
-      ax.set_title(f"head dim {head_dim}, {OP_TITLES[op]}")
+      dims = str(head_dim[0]) if head_dim[0] == head_dim[1] else f"{head_dim[0]}/{head_dim[1]}"
+      ax.set_title(f"head dim {dims}, {OP_TITLES[op]}")
       if column == 0:
         ax.set_ylabel("TFLOPS")
       if row_index == len(ops) - 1:

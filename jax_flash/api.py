@@ -71,15 +71,18 @@ def _attention(q, k, v, shapes, *, scale, diag_offset, window_left, window_right
   call = ffi.KernelCall(backend=backend, scale=scale, diag_offset=diag_offset,
                         window_left=window_left, window_right=window_right, softcap=softcap,
                         deterministic=deterministic)
-  v, unpad = pad_value_head_dim(backend, v, shapes)
+  v, unpad = pad_value_head_dim(backend, v, shapes, forward_only=True)
   out, lse = vjp.flash_attention(q, k, v, q_lens, kv_lens, *segment_operands, call)
   return unpad(out), lse
 
 
-def pad_value_head_dim(backend: str, v, shapes: validation.Shapes):
+def pad_value_head_dim(backend: str, v, shapes: validation.Shapes, forward_only: bool = False):
   """(v as the ``backend`` kernels take it, the function that turns their
-  output back into ``head_dim_v`` columns); see configs.BackendSupport."""
-  padding = configs.BACKENDS[backend].value_padding(shapes.head_dim, shapes.head_dim_v)
+  output back into ``head_dim_v`` columns); see configs.BackendSupport.
+  ``forward_only``: V as the forward kernel takes it (the backward pads for
+  itself: vjp.py)."""
+  hopper = forward_only and backend == "gpu" and (ffi.gpu_compute_capability() or (0,))[0] == 9
+  padding = configs.BACKENDS[backend].value_padding(shapes.head_dim, shapes.head_dim_v, hopper)
   if not padding:
     return v, lambda out: out
   v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, padding)])

@@ -35,9 +35,20 @@ class Config:
   causal: bool
   dtype: str = "bfloat16"
   heads_kv: int | None = None
+  head_dim_v: int | None = None  # None: head_dim
+
+  @property
+  def value_dim(self) -> int:
+    return self.head_dim_v or self.head_dim
+
+  @property
+  def dims_label(self) -> str:
+    """``192`` or, with a narrower V, ``192/128``."""
+    return str(self.head_dim) if self.value_dim == self.head_dim else f"{self.head_dim}/{self.value_dim}"
 
   def forward_flops(self) -> float:
-    flops = 4.0 * self.batch * self.heads * self.seq * self.seq * self.head_dim
+    # Q K^T and P V: 2 * seq * seq multiply-adds per head over each width.
+    flops = 2.0 * self.batch * self.heads * self.seq * self.seq * (self.head_dim + self.value_dim)
     return flops / 2 if self.causal else flops
 
   def backward_flops(self) -> float:
@@ -71,16 +82,27 @@ def attention_fn(impl: str, config: Config, **options):
     return lambda q, k, v: jax_flash.attention(q, k, v, causal=config.causal,
                                                implementation="flash", **options)
   if impl in ("cudnn", "xla"):
-    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=config.causal,
-                                                        implementation=impl)
+    return _padding_values(config, lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=config.causal, implementation=impl))
   if impl == "pallas_mgpu":
     from jax.experimental.pallas.ops.gpu import attention_mgpu
 
     tuning = pallas_mgpu_tuning(config)
     # The kernel applies no softmax scale (callers fold it into q). Timing it on
     # the unscaled inputs does the same work without an extra pass over q.
-    return lambda q, k, v: attention_mgpu.attention(q, k, v, tuning)
+    return _padding_values(config, lambda q, k, v: attention_mgpu.attention(q, k, v, tuning))
   raise ValueError(f"unknown implementation {impl!r}")
+
+
+def _padding_values(config: Config, attend):
+  """``attend`` for a narrower V as its users must call it: V zero-padded to
+  the query head dim and the output cut back (jax.nn.dot_product_attention
+  and attention_mgpu take one head dim for q, k and v)."""
+  padding = config.head_dim - config.value_dim
+  if not padding:
+    return attend
+  widen = [(0, 0)] * 3 + [(0, padding)]
+  return lambda q, k, v: attend(q, k, jnp.pad(v, widen))[..., :config.value_dim]
 
 
 # Forward: 64 query rows per compute warpgroup and the widest key block whose two
@@ -163,10 +185,12 @@ def inputs(config: Config, seed: int = 0):
   heads_kv = config.heads_kv or config.heads
   shape_q = (config.batch, config.seq, config.heads, config.head_dim)
   shape_kv = (config.batch, config.seq, heads_kv, config.head_dim)
+  shape_v = (*shape_kv[:3], config.value_dim)
+  shape_out = (*shape_q[:3], config.value_dim)
   dtype = jnp.dtype(config.dtype)
   make = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(dtype)
-  return (make(keys[0], shape_q), make(keys[1], shape_kv), make(keys[2], shape_kv),
-          make(keys[3], shape_q))
+  return (make(keys[0], shape_q), make(keys[1], shape_kv), make(keys[2], shape_v),
+          make(keys[3], shape_out))
 
 
 def error_summary(error: Exception, width: int = 100) -> str:
@@ -266,7 +290,7 @@ def rows(impl: str, config: Config, result: dict, ceiling: float | None, variant
   common = {
       "impl": impl, "dtype": config.dtype, "batch": config.batch, "seq_q": config.seq,
       "seq_k": config.seq, "heads_q": config.heads, "heads_kv": config.heads_kv or config.heads,
-      "head_dim": config.head_dim, "head_dim_v": config.head_dim, "causal": config.causal,
+      "head_dim": config.head_dim, "head_dim_v": config.value_dim, "causal": config.causal,
       "window": None, "variant": variant, "gbps": None, "gpu": device.device_kind,
       "jax": jax.__version__, "date": datetime.date.today().isoformat(),
       "matmul_ceiling_tflops": None if ceiling is None else round(ceiling, 1),

@@ -23,6 +23,9 @@ class BackendSupport:
   # served with V zero-padded to head_dim (exact: the padded columns of O are
   # zeros and are cut off) at the cost of the wider P V product.
   pads_head_dim_v: bool
+  # (head_dim, head_dim_v) pairs with forward kernels of their own on Hopper
+  # (compute capability 9.x), which then take V unpadded; the backward pads.
+  native_value_dims: tuple[tuple[int, int], ...]
   # GQA query heads are packed into one sequence below this many queries
   # (head_packing.py): the query rows of one forward tile (CPU: up to head
   # dim 128).
@@ -46,9 +49,14 @@ class BackendSupport:
               f"head_dim_v={head_dim_v}")
     return None
 
-  def value_padding(self, head_dim: int, head_dim_v: int) -> int:
-    """Zero columns to append to V (and cut from O) for the kernels."""
-    return head_dim - head_dim_v if self.pads_head_dim_v else 0
+  def value_padding(self, head_dim: int, head_dim_v: int, hopper_forward: bool = False) -> int:
+    """Zero columns to append to V (and cut from O, or dV) for the kernels;
+    ``hopper_forward``: for the forward on a Hopper GPU."""
+    if not self.pads_head_dim_v:
+      return 0
+    if hopper_forward and (head_dim, head_dim_v) in self.native_value_dims:
+      return 0
+    return head_dim - head_dim_v
 
 
 CPU = BackendSupport(
@@ -57,19 +65,22 @@ CPU = BackendSupport(
     head_dims=None,
     max_head_dim=512,
     pads_head_dim_v=False,
+    native_value_dims=(),
     query_tile_rows=64,
     kv_split_ctas=0,
 )
 
 # The FlashAttention-2-style CuTe DSL kernels (cuda_src/fwd_sm80, bwd_sm80),
 # exported for sm_80 and sm_90a, and the Hopper kernels (fwd_sm90, bwd_sm90).
-# A smaller V head dim (DeepSeek's 192 / 128) runs padded.
+# A smaller V head dim runs padded, but for DeepSeek's 192 / 128 forward on
+# Hopper (cuda_src/fwd_sm90/tile_config.py).
 GPU = BackendSupport(
     name="gpu",
     dtypes=(np.dtype(jnp.float16), np.dtype(jnp.bfloat16)),
     head_dims=(64, 96, 128, 192, 256),
     max_head_dim=256,
     pads_head_dim_v=True,
+    native_value_dims=((192, 128),),
     query_tile_rows=128,
     kv_split_ctas=2 * 132,  # two waves on an H100
 )

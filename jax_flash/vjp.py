@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_flash import ffi, sharding
+from jax_flash import configs, ffi, sharding
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
@@ -31,8 +31,16 @@ def _backward(call, residuals, cotangents):
   # the same correction term as rowsum(dout * out).
   delta = jnp.einsum("...tnh,...tnh->...nt", dout.astype(jnp.float32), out.astype(jnp.float32))
   delta = delta - dlse.astype(jnp.float32)
+  # A forward that took V narrower than the backward kernels do (configs:
+  # native_value_dims): zero columns of V and dout change neither dP nor
+  # dQ / dK, and their dV columns are cut off.
+  head_dim_v = v.shape[-1]
+  padding = configs.BACKENDS[call.backend].value_padding(q.shape[-1], head_dim_v)
+  if padding:
+    widen = [(0, 0)] * (v.ndim - 1) + [(0, padding)]
+    v, dout = jnp.pad(v, widen), jnp.pad(dout, widen)
   dq, dk, dv = sharding.backward(q, k, v, dout.astype(q.dtype), lse, delta, *masks, call)
-  return (dq.astype(q.dtype), dk, dv) + (None,) * len(masks)
+  return (dq.astype(q.dtype), dk, dv[..., :head_dim_v]) + (None,) * len(masks)
 
 
 flash_attention.defvjp(_forward, _backward)

@@ -1,19 +1,21 @@
 """A small forward + backward on the GPU kernels, for compute-sanitizer:
 head dims whose Hopper kernels differ in structure (hd64: three forward
 consumers; hd192: the split-head-dim backward with its TMA dQ tile; hd256:
-the same with dQ written over its spent Q / dO stage), each backward also in
-its deterministic variant (dQ turns between CTAs, several dQ writer warps)."""
+the same with dQ written over its spent Q / dO stage; 192 / 128: the forward
+with V and O narrower than Q, O staged over part of Q's buffer), each
+backward also in its deterministic variant (dQ turns between CTAs, several
+dQ writer warps)."""
 
 import jax
 import jax.numpy as jnp
 
 import jax_flash
 
-for head_dim in (64, 192, 256):
-  keys = jax.random.split(jax.random.key(head_dim), 3)
+for head_dim, head_dim_v in ((64, 64), (192, 192), (256, 256), (192, 128)):
+  keys = jax.random.split(jax.random.key(head_dim + head_dim_v), 3)
   q = jax.random.normal(keys[0], (2, 77, 4, head_dim), jnp.bfloat16)
   k = jax.random.normal(keys[1], (2, 130, 2, head_dim), jnp.bfloat16)
-  v = jax.random.normal(keys[2], (2, 130, 2, head_dim), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (2, 130, 2, head_dim_v), jnp.bfloat16)
   for causal in (False, True):
     for deterministic in (False, True):
       loss = lambda q, k, v: jnp.sum(jax_flash.attention(

@@ -84,11 +84,21 @@ class AttentionTestBase:
   def test_matches_reference(self, dtype, head_dim, causal):
     self.check(dtype=dtype, head_dim=head_dim, causal=causal)
 
-  @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-  def test_smaller_value_head_dim(self, causal):
-    # DeepSeek's prefill shape: queries and keys 192 wide, values 128.
-    self.check(head_dim=192, head_dim_v=128, dtype=self.dtypes[0], causal=causal,
-               seq_q=200, seq_k=333)
+  @pytest.mark.parametrize("case", ["full", "causal", "window", "gqa-lengths", "documents",
+                                    "many-keys", "softcap", "decode"])
+  def test_smaller_value_head_dim(self, dtype, case):
+    # DeepSeek's prefill shape, queries and keys 192 wide and values 128, has
+    # forward kernels of its own on Hopper; elsewhere V is padded.
+    kw = dict(head_dim=192, head_dim_v=128, dtype=dtype)
+    if case in ("full", "causal"):
+      self.check(seq_q=200, seq_k=333, causal=case == "causal", **kw)
+    elif case == "softcap":
+      self.check(seq_q=150, seq_k=150, causal=True, softcap=1.5, **kw)
+    elif case == "decode":
+      self.check(batch=3, seq_q=1, seq_k=2100, heads_q=8, heads_kv=2, causal=True,
+                 kv_lens=jnp.array([2100, 700, 0], jnp.int32), **kw)
+    else:
+      self._check_mask_case(case, **kw)
 
   @pytest.mark.parametrize("seq_q,seq_k", [(1, 1), (17, 17), (1000, 1000), (17, 1000),
                                            (1000, 17), (1, 4097), ("long", "long")])
@@ -123,7 +133,9 @@ class AttentionTestBase:
   def test_masks_at_every_head_dim(self, head_dim, case):
     # Each head dim has kernels of its own (tiles, shared-memory plans, how
     # the warpgroups split the work): every kind of mask runs on each.
-    kw = dict(head_dim=head_dim, dtype=self.dtypes[0])
+    self._check_mask_case(case, head_dim=head_dim, dtype=self.dtypes[0])
+
+  def _check_mask_case(self, case, **kw):
     if case == "window":
       self.check(seq_q=260, seq_k=260, window=(70, 5), **kw)
     elif case == "gqa-lengths":

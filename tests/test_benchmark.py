@@ -37,6 +37,24 @@ def test_flop_counts():
   assert config.backward_flops() == 2.5 * config.forward_flops()
 
 
+def test_narrower_values_count_their_own_flops_and_shapes():
+  # DeepSeek's 192 / 128: Q K^T over 192 columns, P V over 128.
+  config = bench_attention.sweep_configs([bench_attention.head_dims_arg("192/128")], [1024],
+                                         (False,), 2048, 4, "bfloat16")[0]
+  assert (config.head_dim, config.value_dim, config.dims_label) == (192, 128, "192/128")
+  assert config.forward_flops() == 2 * 2 * 4 * 1024 * 1024 * (192 + 128)
+  q, k, v, dout = jax.eval_shape(lambda: benchmark.inputs(config))
+  assert (q.shape, k.shape, v.shape, dout.shape) == (
+      (2, 1024, 4, 192), (2, 1024, 4, 192), (2, 1024, 4, 128), (2, 1024, 4, 128))
+  assert {row["head_dim_v"] for row in benchmark.rows("jax_flash", config, fake_result(config=config),
+                                                      None)} == {128}
+  assert bench_attention.head_dims_arg("128") == 128
+  with pytest.raises(Exception, match="HEAD_DIM/HEAD_DIM_V"):
+    bench_attention.head_dims_arg("192/128/64")
+  line = bench_attention.measured_line(config, "cudnn", fake_result(config=config), None, 1.0, 0.0)
+  assert line.split()[:3] == ["192/128", "1024", "False"]
+
+
 def test_rows_carry_the_design_fields():
   config = benchmark.Config(2, 8192, 16, 128, True, "float16")
   rows = benchmark.rows("cudnn", config, fake_result(config=config), 700.04, "deterministic")
@@ -150,7 +168,7 @@ def sweep_rows(impl="jax_flash", variant="", dtype="bfloat16", scale=1.0, **extr
 def test_collect_points_keeps_the_last_row_of_a_configuration():
   first, second = sweep_rows(run=1), sweep_rows(scale=2.0, run=2)
   points = plot_results.collect_points(first + second)
-  curve = points["fwd", 64, "jax_flash", False]
+  curve = points["fwd", (64, 64), "jax_flash", False]
   assert sorted(curve) == [1024, 4096, 16384]
   assert curve[1024] == second[0]["tflops"]
   assert len(points) == 2 * 2 * 2  # op x head dim x causal, one series

@@ -1,5 +1,6 @@
 """Every caller mistake gets an error naming the argument, expected and got."""
 
+import functools
 import re
 
 import jax
@@ -9,7 +10,7 @@ import pytest
 
 import jax_flash
 import jax_flash.configs
-from jax_flash import api, validation
+from jax_flash import api, ffi, validation
 
 
 def qkv(q_shape=(2, 16, 4, 64), k_shape=(2, 16, 2, 64), v_shape=None, dtype=jnp.float32):
@@ -92,7 +93,6 @@ def test_bad_deterministic():
 
 def test_handler_rejects_bad_options():
   """Options reaching the handler unchecked (a hand-built call) still fail cleanly."""
-  from jax_flash import ffi
   cpu = jax.devices("cpu")[0]
   q, k, v = jax.device_put(qkv(), cpu)
   call = ffi.KernelCall(backend="cpu", scale=0.125, diag_offset=0, window_left=-1,
@@ -118,9 +118,25 @@ def test_gpu_value_head_dim():
   gpu = jax_flash.configs.GPU
   assert gpu.unsupported_reason(jnp.bfloat16, 192, 128) is None
   assert gpu.value_padding(192, 128) == 64 and gpu.value_padding(128, 128) == 0
+  # DeepSeek's 192 / 128 has Hopper forward kernels of its own; other pairs pad.
+  assert gpu.value_padding(192, 128, hopper_forward=True) == 0
+  assert gpu.value_padding(256, 128, hopper_forward=True) == 128
   assert jax_flash.configs.CPU.value_padding(192, 128) == 0
   reason = gpu.unsupported_reason(jnp.bfloat16, 128, 192)
   assert reason == "the gpu kernels need head_dim_v <= head_dim, got head_dim=128, head_dim_v=192"
+
+
+@pytest.mark.gpu
+def test_hopper_forward_takes_narrow_values_unpadded():
+  if (ffi.gpu_compute_capability() or (0,))[0] != 9:
+    pytest.skip("the 192 / 128 forward kernels are Hopper's")
+  q, k = (jnp.zeros((1, 64, 2, 192), jnp.bfloat16),) * 2
+  v = jnp.zeros((1, 64, 2, 128), jnp.bfloat16)
+  attend = functools.partial(jax_flash.attention, implementation="gpu")
+  assert "stablehlo.pad" not in jax.jit(attend).lower(q, k, v).as_text()
+  # The backward kernels take V as wide as Q: it pads V and dout for them.
+  grads = jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).sum(), argnums=2))
+  assert "stablehlo.pad" in grads.lower(q, k, v).as_text()
 
 
 def test_forcing_gpu_without_gpu_raises():

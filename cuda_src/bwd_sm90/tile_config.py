@@ -110,7 +110,10 @@ class TileConfig:
 # / 322-328 (run 33), so 64 query rows stay. More Q / dO stages (run 46,
 # seq 8192 non-causal / causal): hd64 at 3 stages 400 / 357, at 4 392 / 360
 # against 397-401 / 362-363 at 2; hd96 at 3 464 / 422 against 453-457 /
-# 416-418: within the spread, so two stages stay.
+# 416-418: within the spread, so two stages stay. Reading lse / delta per
+# query column from the stats warp's stage at 64 rows too, as the 80-row
+# path does (branch bwd-column-stats, run 50): hd64 390 / 365 against
+# 397-400 / 361-362, hd96 467 / 417 against 452-465 / 421-429; not kept.
 TILE_CONFIGS = {
     64: TileConfig(m_block=64, n_block=128, stages=2),
     96: TileConfig(m_block=64, n_block=128, stages=2),

@@ -46,13 +46,13 @@ class FakeProblem:
         self.batch, self.seqlen_q, self.seqlen_k = cute.sym_int(), cute.sym_int(), cute.sym_int()
         self.heads_q, self.heads_kv = cute.sym_int(), cute.sym_int()
 
-    def bthd(self, dtype, seqlen, heads):
-        """[batch, seqlen, heads, head_dim], row-major."""
+    def bthd(self, dtype, seqlen, heads, head_dim=None):
+        """[batch, seqlen, heads, head_dim], row-major; head_dim defaults to
+        the problem's (V and O take head_dim_v)."""
         from cutlass.cute.runtime import make_fake_compact_tensor
 
-        return make_fake_compact_tensor(
-            dtype, (self.batch, seqlen, heads, self.head_dim), stride_order=ROW_MAJOR_4D, assumed_align=VECTOR_ALIGN
-        )
+        shape = (self.batch, seqlen, heads, head_dim or self.head_dim)
+        return make_fake_compact_tensor(dtype, shape, stride_order=ROW_MAJOR_4D, assumed_align=VECTOR_ALIGN)
 
     def per_head_row(self, assumed_align: int):
         """Float32 [batch, heads_q, seqlen_q] (lse, delta), row-major."""

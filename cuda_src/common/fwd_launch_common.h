@@ -34,6 +34,7 @@ inline int64_t Prod(int64_t a, int64_t b, int64_t c = 1) { return a * b * c; }
     const JfProblem& p = a.problem;                                               \
     SEG_TENSORS(prefix)                                                           \
     const int64_t h = p.head_dim;                                                 \
+    const int64_t hv = p.head_dim_v;                                              \
     prefix##_Tensor_mQ_t q = {const_cast<void*>(a.q),                             \
                               {p.batch, p.seqlen_q, p.heads_q},                   \
                               {Prod(p.seqlen_q, p.heads_q, h), Prod(p.heads_q, h)}}; \
@@ -42,10 +43,10 @@ inline int64_t Prod(int64_t a, int64_t b, int64_t c = 1) { return a * b * c; }
                               {Prod(p.seqlen_k, p.heads_kv, h), Prod(p.heads_kv, h)}}; \
     prefix##_Tensor_mV_t v = {const_cast<void*>(a.v),                             \
                               {p.batch, p.seqlen_k, p.heads_kv},                  \
-                              {Prod(p.seqlen_k, p.heads_kv, h), Prod(p.heads_kv, h)}}; \
+                              {Prod(p.seqlen_k, p.heads_kv, hv), Prod(p.heads_kv, hv)}}; \
     prefix##_Tensor_mO_t o = {a.o,                                                \
                               {p.batch, p.seqlen_q, p.heads_q},                   \
-                              {Prod(p.seqlen_q, p.heads_q, h), Prod(p.heads_q, h)}}; \
+                              {Prod(p.seqlen_q, p.heads_q, hv), Prod(p.heads_q, hv)}}; \
     prefix##_Tensor_mLSE_t lse = {a.lse,                                          \
                                   {p.batch, p.heads_q, p.seqlen_q},               \
                                   {Prod(p.heads_q, p.seqlen_q), p.seqlen_q}};     \

@@ -2,14 +2,16 @@
 
     python cuda_src/fwd_sm90/export.py --arch sm_90a --out DIR
 
-writes DIR/<name>.o and DIR/<name>.h per (dtype, head_dim) variant, plain
+writes DIR/<name>.o and DIR/<name>.h per (dtype, head_dim, head_dim_v)
+variant (TILE_CONFIG in tile_config.py; named ..._hd<head_dim> or, where V
+is narrower, ..._hd<head_dim>v<head_dim_v>), plain
 (jf_fwd90_*), packed-document (jf_fwdseg90_*, has_segments=True, compiled
 from FlashFwdSm90.call_with_segments, which takes the three segment tensors
 after the stream) and short-sequence (jf_fwdshort90_*, the head dims of
 SHORT_TILE in tile_config.py), and
 DIR/fwd_sm90_variants_sm_90a.h, which includes them all and defines
 
-    JF_FWD_SM90_VARIANTS_SM_90A(X)        ->  X(arch, JfDtype, head_dim, prefix) ...
+    JF_FWD_SM90_VARIANTS_SM_90A(X)        ->  X(arch, JfDtype, head_dim, head_dim_v, prefix) ...
     JF_FWD_SM90_SEG_VARIANTS_SM_90A(X)    ->  the same for the segment variants
     JF_FWD_SM90_SHORT_VARIANTS_SM_90A(X)  ->  X(arch, JfDtype, head_dim, prefix,
                                               max_seqlen_q_causal, max_seqlen_q) ...
@@ -33,14 +35,18 @@ from common.export_common import (  # noqa: E402
     export_variants,
     write_variants_header,
 )
+from tile_config import SHORT_TILE, TILE_CONFIG  # noqa: E402
 
 ARCHES = ("sm_90a",)
-HEAD_DIMS = (64, 96, 128, 192, 256)
 DTYPES = (("fp16", "JF_FLOAT16", "Float16"), ("bf16", "JF_BFLOAT16", "BFloat16"))
 # Packed-document variants that have passed on an H100 (2026-11-21: bf16 at
-# every head dim, fp16 at 64). The others are not exported, so those problems
-# run on the sm80 segment kernels, which passed for every dtype and head dim.
-SEGMENT_VARIANTS_VERIFIED = {("bf16", h) for h in HEAD_DIMS} | {("fp16", 64)}
+# every head dim, fp16 at 64; 2026-11-22: both dtypes at 192 / 128). The
+# others are not exported, so those problems run on the sm80 segment kernels,
+# which passed for every dtype and head dim. 192 / 128 must be exported for
+# both dtypes: the sm80 kernels take it only with V padded, which Python
+# does on other GPUs only (configs.BackendSupport.native_value_dims).
+SEGMENT_VARIANTS_VERIFIED = ({("bf16", dims) for dims in TILE_CONFIG}
+                             | {("fp16", (64, 64)), ("fp16", (192, 128))})
 
 
 def _parse_args():
@@ -64,19 +70,21 @@ def _parse_args():
     return args
 
 
-def variant_name(arch: str, dtype_tag: str, head_dim: int, has_segments: bool, short: bool = False) -> str:
+def variant_name(arch: str, dtype_tag: str, head_dim: int, head_dim_v: int, has_segments: bool,
+                 short: bool = False) -> str:
     family = "fwdshort90" if short else "fwdseg90" if has_segments else "fwd90"
-    return f"jf_{family}_{arch}_{dtype_tag}_hd{head_dim}"
+    value = "" if head_dim_v == head_dim else f"v{head_dim_v}"
+    return f"jf_{family}_{arch}_{dtype_tag}_hd{head_dim}{value}"
 
 
-def _fake_args(dtype, head_dim, has_segments):
+def _fake_args(dtype, head_dim, head_dim_v, has_segments):
     import cutlass
 
     fake = FakeProblem(head_dim)
     q = fake.bthd(dtype, fake.seqlen_q, fake.heads_q)
     k = fake.bthd(dtype, fake.seqlen_k, fake.heads_kv)
-    v = fake.bthd(dtype, fake.seqlen_k, fake.heads_kv)
-    o = fake.bthd(dtype, fake.seqlen_q, fake.heads_q)
+    v = fake.bthd(dtype, fake.seqlen_k, fake.heads_kv, head_dim_v)
+    o = fake.bthd(dtype, fake.seqlen_q, fake.heads_q, head_dim_v)
     lse = fake.per_head_row(assumed_align=SCALAR_ALIGN)
     # scale, softcap, diag_offset, window_left, window_right
     scalars = (cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(-1), cutlass.Int32(-1))
@@ -92,11 +100,10 @@ def main():
     import cutlass
     import cutlass.cute as cute
     from kernel import FlashFwdSm90
-    from tile_config import SHORT_TILE
 
-    def compile_fn(dtype, head_dim, has_segments, short=None):
+    def compile_fn(dtype, head_dim, head_dim_v, has_segments, short=None):
         kernel = FlashFwdSm90(
-            dtype, head_dim,
+            dtype, head_dim, head_dim_v,
             conditional_rescale=not args.no_conditional_rescale,
             pingpong=not args.no_pingpong,
             tile_n=args.tile_n,
@@ -106,7 +113,7 @@ def main():
             ctas_per_sm=args.ctas_per_sm or (short.ctas_per_sm if short else 1),
         )
         entry = kernel.call_with_segments if has_segments else kernel
-        return lambda: cute.compile(entry, *_fake_args(dtype, head_dim, has_segments))
+        return lambda: cute.compile(entry, *_fake_args(dtype, head_dim, head_dim_v, has_segments))
 
     only = set(args.only.split(",")) if args.only else None
     built = {False: [], True: []}
@@ -114,21 +121,21 @@ def main():
     for has_segments in (False, True):
         for dtype_tag, enum_name, cutlass_name in DTYPES:
             dtype = getattr(cutlass, cutlass_name)
-            for head_dim in HEAD_DIMS:
-                name = variant_name(args.arch, dtype_tag, head_dim, has_segments)
+            for head_dim, head_dim_v in TILE_CONFIG:
+                name = variant_name(args.arch, dtype_tag, head_dim, head_dim_v, has_segments)
                 if only is not None and name not in only:
                     continue
-                if has_segments and (dtype_tag, head_dim) not in SEGMENT_VARIANTS_VERIFIED:
+                if has_segments and (dtype_tag, (head_dim, head_dim_v)) not in SEGMENT_VARIANTS_VERIFIED:
                     continue
-                variants.append((name, compile_fn(dtype, head_dim, has_segments)))
-                built[has_segments].append(f"{args.arch}, {enum_name}, {head_dim}, {name}")
+                variants.append((name, compile_fn(dtype, head_dim, head_dim_v, has_segments)))
+                built[has_segments].append(f"{args.arch}, {enum_name}, {head_dim}, {head_dim_v}, {name}")
     short_built = []
     for dtype_tag, enum_name, cutlass_name in DTYPES:
         for head_dim, short in sorted(SHORT_TILE.items()):
-            name = variant_name(args.arch, dtype_tag, head_dim, False, short=True)
+            name = variant_name(args.arch, dtype_tag, head_dim, head_dim, False, short=True)
             if only is not None and name not in only:
                 continue
-            variants.append((name, compile_fn(getattr(cutlass, cutlass_name), head_dim, False, short)))
+            variants.append((name, compile_fn(getattr(cutlass, cutlass_name), head_dim, head_dim, False, short)))
             short_built.append(f"{args.arch}, {enum_name}, {head_dim}, {name}, "
                                f"{short.max_seqlen_q_causal}, {short.max_seqlen_q}")
 
@@ -140,7 +147,7 @@ def main():
         guard=f"JAX_FLASH_FWD_SM90_VARIANTS_{arch_macro}_H_",
         include_names=names,
         macros=[
-            (f"X(arch, JfDtype, head_dim, prefix) for every exported {args.arch} {kind} variant.",
+            (f"X(arch, JfDtype, head_dim, head_dim_v, prefix) for every exported {args.arch} {kind} variant.",
              f"JF_FWD_SM90_{macro}_{arch_macro}", built[has_segments])
             for has_segments, macro, kind in ((False, "VARIANTS", "plain"), (True, "SEG_VARIANTS", "packed-document"))
         ] + [

@@ -67,12 +67,13 @@ SMEM_PER_SM = 228 * 1024  # of which each resident CTA reserves 1 KiB
 BAR_PINGPONG = 1
 
 class FlashFwdSm90:
-    """Forward attention for one dtype and head dim (head_dim_v == head_dim)."""
+    """Forward attention for one dtype and (head_dim, head_dim_v) pair."""
 
     def __init__(
         self,
         dtype: Type[cutlass.Numeric],
         head_dim: int,
+        head_dim_v: int = None,
         conditional_rescale: bool = True,
         pingpong: bool = True,
         tile_n: int = None,
@@ -81,14 +82,16 @@ class FlashFwdSm90:
         consumers: int = None,
         ctas_per_sm: int = 1,
     ):
-        if not self.can_implement(dtype, head_dim):
+        head_dim_v = head_dim_v or head_dim
+        if not self.can_implement(dtype, head_dim, head_dim_v):
             raise ValueError(
-                f"FlashFwdSm90: unsupported dtype={dtype} head_dim={head_dim}; "
-                f"expected Float16/BFloat16 and head_dim in {sorted(TILE_CONFIG)}"
+                f"FlashFwdSm90: unsupported dtype={dtype} (head_dim, head_dim_v)="
+                f"{(head_dim, head_dim_v)}; expected Float16/BFloat16 and one of {sorted(TILE_CONFIG)}"
             )
         self.dtype = dtype
         self.head_dim = head_dim
-        default_n, default_stages, default_consumers = TILE_CONFIG[head_dim]
+        self.head_dim_v = head_dim_v
+        default_n, default_stages, default_consumers = TILE_CONFIG[head_dim, head_dim_v]
         self.tile_n = tile_n or default_n
         self.kv_stages = kv_stages or default_stages
         self.conditional_rescale = conditional_rescale
@@ -103,7 +106,8 @@ class FlashFwdSm90:
         self.tile_m = WG_ROWS * self.consumers
         self.bar_epilogue = BAR_PINGPONG + self.consumers
         elem = dtype.width // 8
-        smem = (self.tile_m + 2 * self.kv_stages * self.tile_n) * head_dim * elem + 1024
+        kv_stage = self.tile_n * (head_dim + head_dim_v)
+        smem = (self.tile_m * head_dim + self.kv_stages * kv_stage) * elem + 1024
         budget = SMEM_PER_SM // ctas_per_sm - 1024
         if smem > budget:
             raise ValueError(
@@ -118,16 +122,16 @@ class FlashFwdSm90:
         return min(240, spare // self.consumers // 8 * 8)
 
     @staticmethod
-    def can_implement(dtype: Type[cutlass.Numeric], head_dim: int) -> bool:
-        return dtype in (cutlass.Float16, cutlass.BFloat16) and head_dim in TILE_CONFIG
+    def can_implement(dtype: Type[cutlass.Numeric], head_dim: int, head_dim_v: int) -> bool:
+        return dtype in (cutlass.Float16, cutlass.BFloat16) and (head_dim, head_dim_v) in TILE_CONFIG
 
     @cute.jit
     def __call__(
         self,
         mQ: cute.Tensor,  # [B, T, Nq, H]
         mK: cute.Tensor,  # [B, S, Nkv, H]
-        mV: cute.Tensor,  # [B, S, Nkv, H]
-        mO: cute.Tensor,  # [B, T, Nq, H]
+        mV: cute.Tensor,  # [B, S, Nkv, Hv]
+        mO: cute.Tensor,  # [B, T, Nq, Hv]
         mLSE: cute.Tensor,  # [B, Nq, T] float32
         mQLens: cute.Tensor,  # [B] int32
         mKVLens: cute.Tensor,  # [B] int32
@@ -164,7 +168,7 @@ class FlashFwdSm90:
     ):
         if cutlass.const_expr(self.has_segments != (mQSeg is not None)):
             raise TypeError("segment tensors must be given exactly for the has_segments variant")
-        hd, tile_n = self.head_dim, self.tile_n
+        hd, hd_v, tile_n = self.head_dim, self.head_dim_v, self.tile_n
         # TMA views with the contiguous head dim first: Q/K/O as (seq, hd, heads,
         # batch) and V transposed as (hd, seq, heads, batch), the N-major B
         # operand of O = P V.
@@ -181,28 +185,35 @@ class FlashFwdSm90:
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype,
             warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-            cutlass.Float32, (1, 1, 1), (WG_ROWS, hd),
+            cutlass.Float32, (1, 1, 1), (WG_ROWS, hd_v),
             warpgroup.OperandSource.RMEM,
         )
-        # One Q (and later O) stage per consumer warpgroup.
+        # One Q stage per consumer warpgroup; its O goes out through the same
+        # memory (sO_layout: O's narrower rows when head_dim_v < head_dim).
         sQ_layout = sm90_utils.make_smem_layout_a(
             LayoutEnum.ROW_MAJOR, (WG_ROWS, tile_n, hd), self.dtype, self.consumers
         )
+        sO_layout = sQ_layout
+        if cutlass.const_expr(hd_v != hd):
+            sO_layout = sm90_utils.make_smem_layout_a(
+                LayoutEnum.ROW_MAJOR, (WG_ROWS, tile_n, hd_v), self.dtype, self.consumers
+            )
         sK_layout = sm90_utils.make_smem_layout_b(
             LayoutEnum.ROW_MAJOR, (WG_ROWS, tile_n, hd), self.dtype, self.kv_stages
         )
         sV_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.COL_MAJOR, (WG_ROWS, hd, tile_n), self.dtype, self.kv_stages
+            LayoutEnum.COL_MAJOR, (WG_ROWS, hd_v, tile_n), self.dtype, self.kv_stages
         )
         sQ_stage = cute.slice_(sQ_layout, (None, None, 0))
         sK_stage = cute.slice_(sK_layout, (None, None, 0))
         sV_stage = cute.slice_(sV_layout, (None, None, 0))
+        sO_stage = cute.slice_(sO_layout, (None, None, 0))
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQt, sQ_stage, (WG_ROWS, hd))
         tma_k, mK_tma = cpasync.make_tiled_tma_atom(g2s, mKt, sK_stage, (tile_n, hd))
-        tma_v, mV_tma = cpasync.make_tiled_tma_atom(g2s, mVt, sV_stage, (hd, tile_n))
+        tma_v, mV_tma = cpasync.make_tiled_tma_atom(g2s, mVt, sV_stage, (hd_v, tile_n))
         tma_o, mO_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mOt, sQ_stage, (WG_ROWS, hd)
+            cpasync.CopyBulkTensorTileS2GOp(), mOt, sO_stage, (WG_ROWS, hd_v)
         )
 
         @cute.struct
@@ -233,7 +244,7 @@ class FlashFwdSm90:
             mLSE, mQLens, mKVLens,
             scale, softcap, diag_offset, window_left, window_right,
             mQSeg, mKVSeg, mKVBounds,
-            sQ_layout, sK_layout, sV_layout,
+            sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(
             grid=grid,
@@ -270,6 +281,7 @@ class FlashFwdSm90:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
@@ -311,6 +323,7 @@ class FlashFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # Consumers release a stage with one arrive per warp.
@@ -345,7 +358,7 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_increase(self.consumer_registers())
             scale_log2, softcap_in = logit_scales(scale, softcap)
             self._consume(
-                tidx % WG_THREADS, wg_idx - 1, tma_o, mO, mLSE, sQ, sK, sV,
+                tidx % WG_THREADS, wg_idx - 1, tma_o, mO, mLSE, sQ, sK, sV, sO,
                 pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
                 scale_log2, softcap_in, diag_offset, window_left, window_right,
                 head_q, batch, m_block, q_len, kv_len, n_block_min, n_block_max,
@@ -360,10 +373,10 @@ class FlashFwdSm90:
         head_q, head_kv, batch, m_block, n_block_max, num_n_blocks,
     ):
         """One warp: Q once, then K(n) and V(n) for n = n_block_max-1 down."""
-        hd, tile_n = self.head_dim, self.tile_n
+        hd, hd_v, tile_n = self.head_dim, self.head_dim_v, self.tile_n
         gQ = cute.local_tile(mQ[None, None, head_q, batch], (WG_ROWS, hd), (None, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (tile_n, hd), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (hd, tile_n), (0, None))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (hd_v, tile_n), (0, None))
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )
@@ -404,13 +417,13 @@ class FlashFwdSm90:
     # ------------------------------------------------------------------------
     @cute.jit
     def _consume(
-        self, tidx, wg, tma_o, mO, mLSE, sQ, sK, sV,
+        self, tidx, wg, tma_o, mO, mLSE, sQ, sK, sV, sO,
         pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
         scale_log2, softcap_in, diag_offset, window_left, window_right,
         head_q, batch, m_block, q_len, kv_len, n_block_min, n_block_max, num_n_blocks,
         mQSeg, mKVSeg,
     ):
-        hd, tile_n = self.head_dim, self.tile_n
+        tile_n = self.tile_n
         row_start = m_block * self.tile_m + wg * WG_ROWS
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
@@ -418,11 +431,12 @@ class FlashFwdSm90:
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ_wg))
         tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
         tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
-        acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((WG_ROWS, hd)))
+        acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((WG_ROWS, self.head_dim_v)))
         acc_O.fill(0.0)
         # Partitioned before any GEMM: the ACCUMULATE flag set on the tiled
         # MMAs inside the loops must not leak into later uses.
-        tOsO = thr_pv.partition_C(sQ_wg)
+        sO_wg = sO[None, None, wg]
+        tOsO = thr_pv.partition_C(sO_wg)
         # O starts at zero and every PV GEMM accumulates; set once, outside
         # all staged control flow.
         tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
@@ -533,7 +547,7 @@ class FlashFwdSm90:
             pipe_v.consumer_release(kv_state)
 
         self._epilogue(tidx, wg, tOsO, acc_O, acc_O_mn, tScS, row_max, row_sum,
-                       scale_log2, sQ_wg, tma_o, mO, mLSE, head_q, batch, m_block,
+                       scale_log2, sO_wg, tma_o, mO, mLSE, head_q, batch, m_block,
                        row_start, q_len)
 
     # ------------------------------------------------------------------------
@@ -664,7 +678,7 @@ class FlashFwdSm90:
         cute.arch.barrier(barrier_id=self.bar_epilogue + wg, number_of_threads=WG_THREADS)
         if tidx < 32:
             gO = cute.local_tile(
-                mO[None, None, head_q, batch], (WG_ROWS, self.head_dim),
+                mO[None, None, head_q, batch], (WG_ROWS, self.head_dim_v),
                 (m_block * self.consumers + wg, 0),
             )
             tOsO_tma, tOgO = cpasync.tma_partition(

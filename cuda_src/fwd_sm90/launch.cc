@@ -44,21 +44,28 @@ using jax_flash_launch::Prod;
 
 #define JF_FWD_ENTRY "jax_flash_fwd_sm90"
 
+// The variant lists carry head_dim_v (fwd_launch_common.h reads it from the
+// problem), which the shared definitions do not take.
+#define JF_DEFINE_FWD90_VARIANT(arch_tag, dtype_enum, hd, hd_v, prefix) \
+  JF_DEFINE_FWD_VARIANT(arch_tag, dtype_enum, hd, prefix)
+#define JF_DEFINE_FWD90_SEG_VARIANT(arch_tag, dtype_enum, hd, hd_v, prefix) \
+  JF_DEFINE_FWD_SEG_VARIANT(arch_tag, dtype_enum, hd, prefix)
 #define JF_DEFINE_FWD_SHORT_VARIANT(arch_tag, dtype_enum, hd, prefix, max_causal, max_full) \
   JF_DEFINE_FWD_VARIANT(arch_tag, dtype_enum, hd, prefix)
-JF_FWD_SM90_VARIANTS_SM_90A(JF_DEFINE_FWD_VARIANT)
-JF_FWD_SM90_SEG_VARIANTS_SM_90A(JF_DEFINE_FWD_SEG_VARIANT)
+JF_FWD_SM90_VARIANTS_SM_90A(JF_DEFINE_FWD90_VARIANT)
+JF_FWD_SM90_SEG_VARIANTS_SM_90A(JF_DEFINE_FWD90_SEG_VARIANT)
 JF_FWD_SM90_SHORT_VARIANTS_SM_90A(JF_DEFINE_FWD_SHORT_VARIANT)
 #undef JF_DEFINE_FWD_SHORT_VARIANT
+#undef JF_DEFINE_FWD90_SEG_VARIANT
+#undef JF_DEFINE_FWD90_VARIANT
 #undef JF_FWD_ENTRY
 
 using LaunchFn = int (*)(const JfFwdArgs&, cudaStream_t, char*, size_t);
 
 // has_segments other than 0 or 1 finds no kernel.
 LaunchFn FindVariant(JfDtype dtype, int head_dim, int head_dim_v, int has_segments) {
-  if (head_dim != head_dim_v) return nullptr;
-#define JF_MATCH_VARIANT(arch_tag, dtype_enum, hd, prefix) \
-  if (dtype == dtype_enum && head_dim == hd) return Launch_##prefix;
+#define JF_MATCH_VARIANT(arch_tag, dtype_enum, hd, hd_v, prefix) \
+  if (dtype == dtype_enum && head_dim == hd && head_dim_v == hd_v) return Launch_##prefix;
   if (has_segments == 0) {
     JF_FWD_SM90_VARIANTS_SM_90A(JF_MATCH_VARIANT)
   } else if (has_segments == 1) {

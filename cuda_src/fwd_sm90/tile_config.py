@@ -27,13 +27,19 @@ from dataclasses import dataclass
 # / 328-332. hd128 ships at 128 x 3 since (GPU suite passed on it; run
 # 47, cuDNN in the same process: seq 8192 625 / 568 (1.06 / 1.08x), 16384
 # 637 / 642 (1.04 / 1.18x), 1024 500 / 357 (0.96 / 0.98x)).
-# head_dim -> (tile_n, kv_stages, consumer warpgroups)
+# DeepSeek's prefill shape, head_dim 192 with head_dim_v 128, has its own
+# kernel: O holds 64 fp32 per thread instead of 96 and a KV stage takes 80
+# KiB instead of 96, which leaves room for hd128's 128-key tiles. Run 51
+# (seq 8192, FLOPs over 192 + 128 columns): 128 x 2 667-687 / 608-611;
+# 112 x 2 639 / 565; 80 x 3 608 / 551.
+# (head_dim, head_dim_v) -> (tile_n, kv_stages, consumer warpgroups)
 TILE_CONFIG = {
-    64: (128, 4, 3),
-    96: (128, 3, 2),
-    128: (128, 3, 2),
-    192: (96, 2, 2),
-    256: (80, 2, 2),
+    (64, 64): (128, 4, 3),
+    (96, 96): (128, 3, 2),
+    (128, 128): (128, 3, 2),
+    (192, 192): (96, 2, 2),
+    (192, 128): (128, 2, 2),
+    (256, 256): (80, 2, 2),
 }
 
 
@@ -70,7 +76,10 @@ class ShortTile:
 # TFLOPS, 8192 573 against 626-630; hd64 8192 394 against 475-477; hd256
 # 8192 620 against 654-683. Its tile order ran heads fastest, so the CTAs
 # in flight each streamed another head's K / V instead of sharing it in L2;
-# the branch now keeps this grid's order (query tiles fastest), not timed.
+# With this grid's order (query tiles fastest; run 50) it came closer and
+# still lost: hd128 8192 596 / 532 against 607-620 / 564-568, hd64 8192
+# 432 / 402 against 474-481 / 422-434, hd128 causal 1024 295 against
+# 355-358. Not kept.
 SHORT_TILE = {
     64: ShortTile(consumers=1, kv_stages=2, ctas_per_sm=2, max_seqlen_q_causal=2048, max_seqlen_q=1024),
 }
