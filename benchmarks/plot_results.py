@@ -3,9 +3,10 @@
     python benchmarks/plot_results.py benchmarks/results/h100-2026-11-21.json --out h100.png
     python benchmarks/plot_results.py benchmarks/results/h100-2026-11-21.json --out run3.png --run 3
 
-One panel per head dim (or head dim pair, e.g. 192/128), the forward in the top row and the backward below it.
-A line per implementation (with its variant, and its dtype where the rows mix
-dtypes): solid without a mask, dashed causal. The dotted grey line is the
+One panel per head dim (or head dim pair, e.g. 192/128), the forward in the
+top row and the backward below it. A line per implementation (with its
+variant, and its dtype where the rows mix dtypes): solid without a mask,
+dashed causal. The dotted grey line is the
 matmul ceiling measured in the same run. A configuration measured more than
 once is drawn from its last row, since results files append runs in order.
 ``benchmarks/bench_attention.py --plot`` draws its own rows the same way.
