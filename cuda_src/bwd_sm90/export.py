@@ -2,9 +2,12 @@
 
     python cuda_src/bwd_sm90/export.py --arch sm_90a --out build/bwd_sm90/sm_90a
 
-writes, per kind (KINDS: plain, deterministic, packed-document, soft-capped) and (dtype,
-head_dim), NAME.o and NAME.h (export_to_c), and bwd_sm90_variants_<arch>.h
-with one X-macro per kind for launch.cc.
+writes, per kind (KINDS: plain, deterministic, packed-document, soft-capped),
+dtype and (head_dim, head_dim_v) of TILE_CONFIGS, NAME.o and NAME.h
+(export_to_c; named ..._hd<head_dim> or, where V is narrower,
+..._hd<head_dim>v<head_dim_v>), and bwd_sm90_variants_<arch>.h with one
+X-macro per kind for launch.cc, X(arch tag, JfDtype, head_dim, head_dim_v,
+prefix).
 
 Runtime scalars are plain kernel parameters: export_to_c supports Float32 and
 Int32 arguments and maps them to `float` / `int32_t` parameters of the C
@@ -31,7 +34,6 @@ from common.export_common import (  # noqa: E402
 )
 
 ARCHES = ("sm_90a",)  # WGMMA, TMA and setmaxnreg need the arch-specific target
-HEAD_DIMS = (64, 96, 128, 192, 256)
 DTYPES = (("f16", "Float16", "JF_FLOAT16"), ("bf16", "BFloat16", "JF_BFLOAT16"))
 
 
@@ -44,11 +46,16 @@ KINDS = (("bwd90", False, False, False), ("bwd90det", True, False, False),
          ("bwdseg90", False, True, False), ("bwdcap90", False, False, True))
 
 
-def variant_name(arch: str, dtype_tag: str, head_dim: int, infix: str) -> str:
-    return f"jf_{infix}_{_arch_tag(arch)}_{dtype_tag}_hd{head_dim}"
+def dims_tag(head_dim: int, head_dim_v: int) -> str:
+    """192, or 192v128 where V is narrower: in variant names and --only."""
+    return f"{head_dim}" if head_dim_v == head_dim else f"{head_dim}v{head_dim_v}"
 
 
-def _compile_variant(dtype, head_dim, deterministic, has_segments, has_softcap, tile=None):
+def variant_name(arch: str, dtype_tag: str, head_dim: int, head_dim_v: int, infix: str) -> str:
+    return f"jf_{infix}_{_arch_tag(arch)}_{dtype_tag}_hd{dims_tag(head_dim, head_dim_v)}"
+
+
+def _compile_variant(dtype, head_dim, head_dim_v, deterministic, has_segments, has_softcap, tile=None):
     import cutlass
     import cutlass.cute as cute
     from kernel import FlashBwdSm90
@@ -56,20 +63,20 @@ def _compile_variant(dtype, head_dim, deterministic, has_segments, has_softcap, 
     fake = FakeProblem(head_dim)
     q = fake.bthd(dtype, fake.seqlen_q, fake.heads_q)
     k = fake.bthd(dtype, fake.seqlen_k, fake.heads_kv)
-    v = fake.bthd(dtype, fake.seqlen_k, fake.heads_kv)
-    do = fake.bthd(dtype, fake.seqlen_q, fake.heads_q)
+    v = fake.bthd(dtype, fake.seqlen_k, fake.heads_kv, head_dim_v)
+    do = fake.bthd(dtype, fake.seqlen_q, fake.heads_q, head_dim_v)
     lse = fake.per_head_row(assumed_align=VECTOR_ALIGN)
     delta = fake.per_head_row(assumed_align=VECTOR_ALIGN)
     q_lens, kv_lens = fake.lens(), fake.lens()
     dq = fake.bthd(cutlass.Float32, fake.seqlen_q, fake.heads_q)
     dk = fake.bthd(dtype, fake.seqlen_k, fake.heads_kv)
-    dv = fake.bthd(dtype, fake.seqlen_k, fake.heads_kv)
+    dv = fake.bthd(dtype, fake.seqlen_k, fake.heads_kv, head_dim_v)
     stream = cutlass.runtime.make_fake_stream()
     segments = ()
     if has_segments:
         segments = (fake.segment_ids(fake.seqlen_q), fake.segment_ids(fake.seqlen_k),
                     fake.segment_bounds(fake.seqlen_k))
-    kernel = FlashBwdSm90(dtype, head_dim, deterministic, has_segments, tile, has_softcap)
+    kernel = FlashBwdSm90(dtype, head_dim, deterministic, has_segments, tile, has_softcap, head_dim_v)
     return cute.compile(
         kernel, q, k, v, do, lse, delta, q_lens, kv_lens, dq, dk, dv, fake.dq_semaphore(),
         # scale, softcap, key_lo, key_hi, deterministic
@@ -80,7 +87,7 @@ def _compile_variant(dtype, head_dim, deterministic, has_segments, has_softcap, 
 
 def main(argv=None):
     args = parse_export_args(
-        __doc__, ARCHES, "comma-separated subset, e.g. bf16_128 (development aid)", argv,
+        __doc__, ARCHES, "comma-separated subset, e.g. bf16_128,f16_192v128 (development aid)", argv,
         extra=[("--tile", dict(default=None, help="M,N,STAGES[,split][,instage][,writersW] instead of "
                                                   "TILE_CONFIGS (timing alternatives; use with --only); "
                                                   "split: split_head_dim, instage: dq_in_stage, "
@@ -102,17 +109,17 @@ def main(argv=None):
     variants = []
     for infix, deterministic, has_segments, has_softcap in KINDS:
         for dtype_tag, dtype_name, jf_dtype in DTYPES:
-            for head_dim in HEAD_DIMS:
-                if only and f"{dtype_tag}_{head_dim}" not in only:
+            for head_dim, head_dim_v in TILE_CONFIGS:
+                if only and f"{dtype_tag}_{dims_tag(head_dim, head_dim_v)}" not in only:
                     continue
-                cfg = tile or TILE_CONFIGS[head_dim]
+                cfg = tile or TILE_CONFIGS[head_dim, head_dim_v]
                 if has_softcap and not cfg.split_head_dim:
                     continue  # kernel.py says why
-                name = variant_name(args.arch, dtype_tag, head_dim, infix)
+                name = variant_name(args.arch, dtype_tag, head_dim, head_dim_v, infix)
                 dtype = getattr(cutlass, dtype_name)
-                variants.append((name, lambda d=dtype, h=head_dim, x=deterministic, g=has_segments,
-                                 c=has_softcap: _compile_variant(d, h, x, g, c, tile)))
-                rows[infix].append(f"{tag}, {jf_dtype}, {head_dim}, {name}")
+                variants.append((name, lambda d=dtype, h=head_dim, hv=head_dim_v, x=deterministic,
+                                 g=has_segments, c=has_softcap: _compile_variant(d, h, hv, x, g, c, tile)))
+                rows[infix].append(f"{tag}, {jf_dtype}, {head_dim}, {head_dim_v}, {name}")
 
     names = export_variants(args.out, variants)
     write_variants_header(
@@ -121,19 +128,19 @@ def main(argv=None):
         guard=f"JAX_FLASH_BWD_SM90_VARIANTS_{tag.upper()}_H_",
         include_names=names,
         macros=[
-            ("X(arch tag, JfDtype, head_dim, prefix), plain", f"JF_BWD_SM90_VARIANTS_{tag.upper()}", rows["bwd90"]),
+            ("X(arch tag, JfDtype, head_dim, head_dim_v, prefix), plain", f"JF_BWD_SM90_VARIANTS_{tag.upper()}", rows["bwd90"]),
             (
-                "X(arch tag, JfDtype, head_dim, prefix), deterministic",
+                "X(arch tag, JfDtype, head_dim, head_dim_v, prefix), deterministic",
                 f"JF_BWD_SM90_DET_VARIANTS_{tag.upper()}",
                 rows["bwd90det"],
             ),
             (
-                "X(arch tag, JfDtype, head_dim, prefix), packed-document (has_segments)",
+                "X(arch tag, JfDtype, head_dim, head_dim_v, prefix), packed-document (has_segments)",
                 f"JF_BWD_SM90_SEG_VARIANTS_{tag.upper()}",
                 rows["bwdseg90"],
             ),
             (
-                "X(arch tag, JfDtype, head_dim, prefix), soft-capped (has_softcap)",
+                "X(arch tag, JfDtype, head_dim, head_dim_v, prefix), soft-capped (has_softcap)",
                 f"JF_BWD_SM90_CAP_VARIANTS_{tag.upper()}",
                 rows["bwdcap90"],
             ),

@@ -9,7 +9,7 @@ K and V once, then of Q and dO into a 2-stage mbarrier pipeline) and gives its
 registers away; warpgroups 1 and 2 compute with WGMMA:
 
     S^T  = K Q^T     (each WG: half of the keys, all m_block query rows)
-    dP^T = V dO^T    (same split)
+    dP^T = V dO^T    (same split; over head_dim_v, the width of V and dO)
     P^T  = exp2(S^T * scale * log2e - lse * log2e),  dS^T = P^T * (dP^T - delta)
     dV  += P^T dO    (each WG: its keys, all of the head dim; P^T from registers)
     dK  += dS^T Q    (same; times scale at the end)
@@ -63,6 +63,7 @@ from common.dsl_common import (
     cap_scores_with_slope,
     logit_scales,
     query_tile_of,
+    row_store_tile,
     segment_bounds_union,
     store_existing_rows,
     wgmma_acc_as_rows_cols,
@@ -77,7 +78,7 @@ from transposed_scores import (
     warp_sees_several_ids,
     zero_hidden_pairs,
 )
-from wgmma_views import as_operand_a, issue_wgmma, smem_tile_layout, transposed
+from wgmma_views import as_operand_a, issue_wgmma, smem_tile_layout, stage_pair_views, transposed
 from warp_roles import (
     BAR_STAGE_READ,
     BAR_EPI,
@@ -113,25 +114,33 @@ class FlashBwdSm90(ProducerWarps):
     tanh(S * scale / softcap) and dS is multiplied by 1 - tanh^2), so far
     only with the split head dim, where that fragment is 16 floats per
     thread (32 at hd64-128, which have no registers to spare); other capped
-    problems run on the sm80 backward."""
+    problems run on the sm80 backward. head_dim_v (default head_dim) is the
+    width of V, dO and dV."""
 
     def __init__(
         self, dtype: Type[cutlass.Numeric], head_dim: int, deterministic: bool = False,
         has_segments: bool = False, tile: Optional[TileConfig] = None, has_softcap: bool = False,
+        head_dim_v: Optional[int] = None,
     ):
-        if not self.can_implement(dtype, head_dim, tile):
-            raise NotImplementedError(f"no sm90 backward for dtype={dtype}, head_dim={head_dim}")
+        head_dim_v = head_dim_v or head_dim
+        if not self.can_implement(dtype, head_dim, tile, head_dim_v):
+            raise NotImplementedError(f"no sm90 backward for dtype={dtype}, dims={(head_dim, head_dim_v)}")
         if deterministic and has_segments:
             # The deterministic order needs the geometric query-tile ranges
             # (see the sm80 family); packed documents narrow them.
             raise NotImplementedError("no deterministic packed-document sm90 backward")
-        cfg = tile or TILE_CONFIGS[head_dim]
+        cfg = tile or TILE_CONFIGS[head_dim, head_dim_v]
+        if head_dim_v != head_dim and (not cfg.split_head_dim or cfg.dq_in_stage):
+            # The fp32 dQ tile fills a Q / dO pair (dq_in_stage) only when V is
+            # as wide as Q; no unsplit tile has needed a narrower V so far.
+            raise NotImplementedError("a narrower V: only split_head_dim without dq_in_stage")
         if has_softcap and (deterministic or has_segments or not cfg.split_head_dim):
             # 1 - tanh^2 takes a score fragment of registers more: only the
             # split layout (16 floats of S^T per thread) has them to spare.
             raise NotImplementedError("softcap: only the plain split-head-dim sm90 backward")
         self.dtype = dtype
         self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
         self.deterministic = deterministic
         self.has_segments = has_segments
         self.has_softcap = has_softcap
@@ -150,14 +159,15 @@ class FlashBwdSm90(ProducerWarps):
             raise ValueError(f"det_dq_writers={cfg.det_dq_writers}: 1 to {MAX_DQ_WRITERS}")
 
     @staticmethod
-    def can_implement(dtype, head_dim, tile: Optional[TileConfig] = None) -> bool:
-        """tile: an alternative to the head dim's TILE_CONFIGS entry (for
-        timing tile choices; any head dim then)."""
+    def can_implement(dtype, head_dim, tile: Optional[TileConfig] = None, head_dim_v: Optional[int] = None) -> bool:
+        """tile: an alternative to the head dims' TILE_CONFIGS entry (for
+        timing tile choices; any head dims then)."""
+        dims = (head_dim, head_dim_v or head_dim)
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             return False
-        if tile is None and head_dim not in TILE_CONFIGS:
+        if tile is None and dims not in TILE_CONFIGS:
             return False
-        return (tile or TILE_CONFIGS[head_dim]).smem_bytes(head_dim) <= SMEM_CAPACITY_SM90
+        return (tile or TILE_CONFIGS[dims]).smem_bytes(*dims) <= SMEM_CAPACITY_SM90
 
     # ------------------------------------------------------------------ host
     def _tiled_mma(self, a_major, b_major, atoms, tile_n):
@@ -165,20 +175,39 @@ class FlashBwdSm90(ProducerWarps):
             self.dtype, self.dtype, a_major, b_major, Float32, atoms, (WGMMA_M, tile_n)
         )
 
+    # _dO_layout, _key_rows_mma(head_dim_v) and row_store_tile(head_dim_v)
+    # are built where they are used, not passed to the kernel: a kernel
+    # parameter more changes the code of every variant.
+    def _dO_layout(self):
+        split, Dv = self.split_head_dim, self.head_dim_v
+        return smem_tile_layout(self.dtype, self.m_block, Dv, self.stages, Dv // NUM_MMA_WG if split else Dv)
+
+    def _key_rows_mma(self, cols):
+        """dK += dS^T Q or dV += P^T dO for `cols` columns of dK or dV: split
+        over the WGs by column (split_head_dim), else by key with the A
+        operand from registers."""
+        K_MAJOR, MN_MAJOR = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        if self.split_head_dim:
+            return self._tiled_mma(K_MAJOR, MN_MAJOR, (1, NUM_MMA_WG, 1), cols // NUM_MMA_WG)
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (NUM_MMA_WG, 1, 1), (WGMMA_M, cols),
+            warpgroup.OperandSource.RMEM,
+        )
+
     @cute.jit
     def __call__(
         self,
         mQ: cute.Tensor,  # [B, T, Hq, D]
         mK: cute.Tensor,  # [B, S, Hkv, D]
-        mV: cute.Tensor,  # [B, S, Hkv, D]
-        mdO: cute.Tensor,  # [B, T, Hq, D]
+        mV: cute.Tensor,  # [B, S, Hkv, Dv]
+        mdO: cute.Tensor,  # [B, T, Hq, Dv]
         mLSE: cute.Tensor,  # [B, Hq, T] f32
         mDelta: cute.Tensor,  # [B, Hq, T] f32
         mQLens: cute.Tensor,  # [B] i32
         mKVLens: cute.Tensor,  # [B] i32
         mdQ: cute.Tensor,  # [B, T, Hq, D] f32, zeroed by the caller
         mdK: cute.Tensor,  # [B, S, Hkv, D]
-        mdV: cute.Tensor,  # [B, S, Hkv, D]
+        mdV: cute.Tensor,  # [B, S, Hkv, Dv]
         mDqSem: cute.Tensor,  # [B, Hq, ceil(T / 32)] i32, zeroed; deterministic only
         scale: Float32,
         softcap: Float32,
@@ -199,7 +228,7 @@ class FlashBwdSm90(ProducerWarps):
             raise TypeError("q dtype does not match the compiled variant")
         if cutlass.const_expr(self.has_segments != (mQSeg is not None)):
             raise TypeError("segment tensors must be given exactly for the has_segments variant")
-        D, M, N, st = self.head_dim, self.m_block, self.n_block, self.stages
+        D, Dv, M, N, st = self.head_dim, self.head_dim_v, self.m_block, self.n_block, self.stages
         split = self.split_head_dim
         K_MAJOR, MN_MAJOR = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         # dQ splits the head dim over the two WGs; dK/dV and S^T/dP^T split
@@ -207,8 +236,9 @@ class FlashBwdSm90(ProducerWarps):
         # rows): these are the per-WG extents each buffer is read with. P^T
         # and dS^T are stored as (keys, query rows).
         sQ_layout = smem_tile_layout(self.dtype, M, D, st, D // NUM_MMA_WG if split else D)
+        sdO_layout = self._dO_layout()
         sK_layout = smem_tile_layout(self.dtype, N, D, 1, D // NUM_MMA_WG)
-        sV_layout = smem_tile_layout(self.dtype, N, D, 1, D // NUM_MMA_WG if split else D)  # dV staged here
+        sV_layout = smem_tile_layout(self.dtype, N, Dv, 1, Dv // NUM_MMA_WG if split else Dv)  # dV staged here
         sdS_layout = smem_tile_layout(self.dtype, N, M, st, M)
         # fp32 dQ tile, swizzled so that the accumulator's row pairs land in
         # distinct banks; the TMA reads it back box by box.
@@ -223,13 +253,9 @@ class FlashBwdSm90(ProducerWarps):
         # dim: every product reads P^T and dS^T from shared memory.
         if cutlass.const_expr(split):
             mma_sdp = self._tiled_mma(K_MAJOR, K_MAJOR, (1, NUM_MMA_WG, 1), M // NUM_MMA_WG)
-            mma_dkv = self._tiled_mma(K_MAJOR, MN_MAJOR, (1, NUM_MMA_WG, 1), D // NUM_MMA_WG)
         else:
             mma_sdp = self._tiled_mma(K_MAJOR, K_MAJOR, (NUM_MMA_WG, 1, 1), M)
-            mma_dkv = sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (NUM_MMA_WG, 1, 1), (WGMMA_M, D),
-                warpgroup.OperandSource.RMEM,
-            )
+        mma_dkv = self._key_rows_mma(D)
         if cutlass.const_expr(self.dq_transposed):
             # dQ^T = K^T dS^T: the head dim is the WGMMA M, split over the WGs.
             mma_dq = self._tiled_mma(MN_MAJOR, MN_MAJOR, (NUM_MMA_WG, 1, 1), M)
@@ -243,9 +269,9 @@ class FlashBwdSm90(ProducerWarps):
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, seq_major(mQ), cute.slice_(sQ_layout, (None, None, 0)), (M, D))
-        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(g2s, seq_major(mdO), cute.slice_(sQ_layout, (None, None, 0)), (M, D))
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(g2s, seq_major(mdO), cute.slice_(sdO_layout, (None, None, 0)), (M, Dv))
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, seq_major(mK), cute.slice_(sK_layout, (None, None, 0)), (N, D))
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, seq_major(mV), cute.slice_(sV_layout, (None, None, 0)), (N, D))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, seq_major(mV), cute.slice_(sV_layout, (None, None, 0)), (N, Dv))
         tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), seq_major(mdQ), sdQ_layout, (M, D)
         )
@@ -264,7 +290,7 @@ class FlashBwdSm90(ProducerWarps):
             # dq_in_stage: sQ holds Q and dO of each stage side by side
             # (no sdO, no sdQ), the fp32 dQ tile's 4 M D bytes exactly.
             sQ: buffer(self.dtype, (2 if self.dq_in_stage else 1) * cute.cosize(sQ_layout))
-            sdO: buffer(self.dtype, cute.cosize(sQ_layout), not self.dq_in_stage)
+            sdO: buffer(self.dtype, cute.cosize(sdO_layout), not self.dq_in_stage)
             sK: buffer(self.dtype, cute.cosize(sK_layout))
             sV: buffer(self.dtype, cute.cosize(sV_layout))
             sdS: buffer(self.dtype, cute.cosize(sdS_layout))
@@ -273,15 +299,7 @@ class FlashBwdSm90(ProducerWarps):
             sSegRange: cute.struct.MemRange[Int32, 2 * NUM_WARPS]
             sP: buffer(self.dtype, cute.cosize(sdS_layout), split)
 
-        # 16-byte row stores of dK/dV from the staged shared tile.
-        vec = 128 // self.dtype.width
-        thr_cols = (64 if D % 64 == 0 else 32) // vec
-        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
-        gmem_store_tile = cute.make_tiled_copy_tv(
-            store_atom,
-            cute.make_ordered_layout((NUM_MMA_THREADS // thr_cols, thr_cols), order=(1, 0)),
-            cute.make_layout((1, vec)),
-        )
+        store_dk = row_store_tile(self.dtype, D, NUM_MMA_THREADS)
 
         n_blocks, kv_heads = cute.ceil_div(mK.shape[1], N), mK.shape[2]
         grid = (n_blocks, kv_heads, mK.shape[0])
@@ -305,7 +323,7 @@ class FlashBwdSm90(ProducerWarps):
             tma_atom_dQ, mLSE, mDelta, mQLens, mKVLens, mdQ, mdK, mdV, mDqSem,
             scale, softcap, key_lo, key_hi, mQSeg, mKVSeg, mQBounds,
             sQ_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout,
-            mma_sdp, mma_dkv, mma_dq, gmem_store_tile, SharedStorage,
+            mma_sdp, mma_dkv, mma_dq, store_dk, SharedStorage,
         ).launch(
             grid=grid, block=[NUM_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
             # Tells ptxas the register count at entry (65536 / 384 threads), without
@@ -327,10 +345,11 @@ class FlashBwdSm90(ProducerWarps):
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
         sdQ_layout: cute.ComposedLayout, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
-        gmem_store_tile: cute.TiledCopy,
+        store_dk: cute.TiledCopy,
         SharedStorage: cutlass.Constexpr,
     ):
         D, M, N, st = self.head_dim, self.m_block, self.n_block, self.stages
+        sdO_layout = self._dO_layout()
         scale_log2, softcap_in = scale * LOG2E, Float32(0.0)
         if cutlass.const_expr(self.has_softcap):
             scale_log2, softcap_in = logit_scales(scale, softcap)
@@ -376,7 +395,7 @@ class FlashBwdSm90(ProducerWarps):
         kv_bar = storage.kv_bar.data_ptr()
         if tidx == 0:
             cute.arch.mbarrier_init(kv_bar, 1)
-        bytes_QdO = 2 * cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, (None, None, 0)))
+        bytes_QdO = sum(cute.size_in_bytes(self.dtype, cute.slice_(x, (None, None, 0))) for x in (sQ_layout, sdO_layout))
         bytes_KV = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0))) + cute.size_in_bytes(
             self.dtype, cute.slice_(sV_layout, (None, None, 0))
         )
@@ -396,19 +415,10 @@ class FlashBwdSm90(ProducerWarps):
         )
 
         if cutlass.const_expr(self.dq_in_stage):
-            stage = cute.cosize(cute.slice_(sQ_layout, (None, None, 0)))
-            outer = sQ_layout.outer
-            # The stage mode is (1, stages) after tile_to_shape.
-            paired = cute.make_layout(
-                outer.shape, stride=(outer.stride[0], outer.stride[1], (outer.stride[2][0], 2 * stage))
-            )
-            sQ = storage.sQ.get_tensor(paired, swizzle=sQ_layout.inner)
-            sdO = cute.make_tensor(
-                cute.recast_ptr(storage.sQ.data_ptr() + stage, sQ_layout.inner, dtype=self.dtype), paired
-            )
+            sQ, sdO, sdQ = stage_pair_views(storage.sQ, sQ_layout, sdQ_layout, self.dtype, st)
         else:
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-            sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sStats = storage.sStats.get_tensor(cute.make_layout((M, 2, st)))
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
@@ -416,13 +426,7 @@ class FlashBwdSm90(ProducerWarps):
         sP = None
         if cutlass.const_expr(self.split_head_dim):
             sP = storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sdQ = None
-        if cutlass.const_expr(self.dq_in_stage):
-            # (M, D, stages) fp32 over the Q / dO pairs: stage s starts at Q[s].
-            dq = sdQ_layout.outer
-            staged = cute.make_layout((*dq.shape, self.stages), stride=(*dq.stride, cute.cosize(dq)))
-            sdQ = storage.sQ.get_tensor(staged, swizzle=sdQ_layout.inner, dtype=Float32)
-        else:
+        if cutlass.const_expr(not self.dq_in_stage):
             sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
         if warp_idx < 4:
@@ -446,7 +450,7 @@ class FlashBwdSm90(ProducerWarps):
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._consume(
                 mLSE, mDelta, sStats, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sP, sdQ, pipe, kv_bar,
-                mma_sdp, mma_dkv, mma_dq, gmem_store_tile,
+                mma_sdp, mma_dkv, mma_dq, store_dk,
                 scale, scale_log2, softcap_in, lo, hi, n_block, kv_head, batch, group,
                 m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k, mQSeg, mKVSeg,
             )
@@ -454,11 +458,11 @@ class FlashBwdSm90(ProducerWarps):
     @cute.jit
     def _consume(
         self, mLSE, mDelta, sStats, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sP, sdQ, pipe, kv_bar,
-        mma_sdp, mma_dkv, mma_dq, gmem_store_tile,
+        mma_sdp, mma_dkv, mma_dq, store_dk,
         scale, scale_log2, softcap_in, lo, hi, n_block, kv_head, batch, group,
         m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k, mQSeg, mKVSeg,
     ):
-        D, M, N = self.head_dim, self.m_block, self.n_block
+        D, Dv, M, N = self.head_dim, self.head_dim_v, self.m_block, self.n_block
         split = self.split_head_dim
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - WG_THREADS
@@ -477,15 +481,18 @@ class FlashBwdSm90(ProducerWarps):
         # accumulators per thread.
         wg_sdp = mma_sdp.get_slice(wg * WG_THREADS)
         wg_dkv = mma_dkv.get_slice(wg * WG_THREADS)
+        mma_dv = self._key_rows_mma(Dv)
+        wg_dv = mma_dv.get_slice(wg * WG_THREADS)
         wg_dq = mma_dq.get_slice(wg * WG_THREADS)
         thr_sdp = mma_sdp.get_slice(tidx)
         thr_dkv = mma_dkv.get_slice(tidx)
+        thr_dv = mma_dv.get_slice(tidx)
         thr_dq = mma_dq.get_slice(tidx)
         tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
         tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
         tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
         tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
-        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt))
+        tdVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(sdOt))
         tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt))
         # dQ = dS K, or dQ^T = K^T dS^T (dq_transposed).
         dq_a, dq_b = (sKt, sdS_rows) if self.dq_transposed else (sdS_rows, sKt)
@@ -493,11 +500,11 @@ class FlashBwdSm90(ProducerWarps):
         tdQrA = wg_dq.make_fragment_A(wg_dq.partition_A(dq_a))
         tdQrB = wg_dq.make_fragment_B(wg_dq.partition_B(dq_b))
         if cutlass.const_expr(split):
-            tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_A(sP))
+            tdVrP = wg_dv.make_fragment_A(wg_dv.partition_A(sP))
             tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_A(sdS))
 
         acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((N, D)), Float32)
-        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((N, D)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_dv.partition_shape_C((N, Dv)), Float32)
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
 
@@ -629,7 +636,7 @@ class FlashBwdSm90(ProducerWarps):
                 rPt.store(acc_S.load().to(self.dtype))
                 # P^T stays in registers as the A operand of dV += P^T dO,
                 # which only needs this warpgroup's keys: no barrier before it.
-                issue_wgmma(mma_dkv, acc_dV, as_operand_a(rPt), tdVrdOt[None, None, None, s], False)
+                issue_wgmma(mma_dv, acc_dV, as_operand_a(rPt), tdVrdOt[None, None, None, s], False)
                 warpgroup.wait_group(1)
             acc_dP_mn = wgmma_acc_as_rows_cols(acc_dP)
             for c in cutlass.range_constexpr(n_queries):
@@ -647,7 +654,7 @@ class FlashBwdSm90(ProducerWarps):
             rdSt.store(acc_dP.load().to(self.dtype))
             cute.copy(r2s_sdp, thr_r2s.retile(rdSt), tdSsdS[None, None, None, s])
             if cutlass.const_expr(self.dq_transposed):
-                issue_wgmma(mma_dkv, acc_dV, as_operand_a(rPt), tdVrdOt[None, None, None, s], False)
+                issue_wgmma(mma_dv, acc_dV, as_operand_a(rPt), tdVrdOt[None, None, None, s], False)
 
             # Generic-proxy stores must be visible to WGMMA (async proxy),
             # and dQ reads the other WG's keys of dS.
@@ -657,7 +664,7 @@ class FlashBwdSm90(ProducerWarps):
             a_stage, b_stage = (0, s) if self.dq_transposed else (s, 0)  # K has one stage
             issue_wgmma(mma_dq, acc_dQ, tdQrA[None, None, None, a_stage], tdQrB[None, None, None, b_stage], True)
             if cutlass.const_expr(split):
-                issue_wgmma(mma_dkv, acc_dV, tdVrP[None, None, None, s], tdVrdOt[None, None, None, s], False)
+                issue_wgmma(mma_dv, acc_dV, tdVrP[None, None, None, s], tdVrdOt[None, None, None, s], False)
                 issue_wgmma(mma_dkv, acc_dK, tdKrdS[None, None, None, s], tdKrQt[None, None, None, s], False)
             else:
                 issue_wgmma(mma_dkv, acc_dK, as_operand_a(rdSt), tdKrQt[None, None, None, s], False)
@@ -701,9 +708,12 @@ class FlashBwdSm90(ProducerWarps):
         rdK = cute.make_fragment_like(acc_dK, self.dtype)
         rdK.store(acc_dK.load().to(self.dtype))
         cute.copy(r2s_dkv, thr_r2s_dkv.retile(rdK), thr_r2s_dkv.partition_D(sK)[None, None, None, 0])
+        r2s_dv = cute.make_tiled_copy_C(stsm_atom, mma_dv)
+        thr_r2s_dv = r2s_dv.get_slice(tidx)
         rdV = cute.make_fragment_like(acc_dV, self.dtype)
         rdV.store(acc_dV.load().to(self.dtype))
-        cute.copy(r2s_dkv, thr_r2s_dkv.retile(rdV), thr_r2s_dkv.partition_D(sV)[None, None, None, 0])
+        cute.copy(r2s_dv, thr_r2s_dv.retile(rdV), thr_r2s_dv.partition_D(sV)[None, None, None, 0])
         cute.arch.barrier(barrier_id=BAR_EPI, number_of_threads=NUM_MMA_THREADS)
-        store_existing_rows(gmem_store_tile, sK[None, None, 0], mdK[batch, None, kv_head, None], n_block, seqlen_k, tidx, N, D, self.dtype)
-        store_existing_rows(gmem_store_tile, sV[None, None, 0], mdV[batch, None, kv_head, None], n_block, seqlen_k, tidx, N, D, self.dtype)
+        store_existing_rows(store_dk, sK[None, None, 0], mdK[batch, None, kv_head, None], n_block, seqlen_k, tidx, N, D, self.dtype)
+        store_dv = row_store_tile(self.dtype, Dv, NUM_MMA_THREADS)
+        store_existing_rows(store_dv, sV[None, None, 0], mdV[batch, None, kv_head, None], n_block, seqlen_k, tidx, N, Dv, self.dtype)

@@ -41,11 +41,13 @@ class TileConfig:
         if self.stages < 2:
             raise ValueError(f"stages must be >= 2 (warp_roles.BAR_STATS), got {self.stages}")
 
-    def smem_bytes(self, head_dim: int) -> int:
+    def smem_bytes(self, head_dim: int, head_dim_v: int = None) -> int:
         """Bytes of FlashBwdSm90's SharedStorage at this tile (its size is a
-        multiple of its 1024-byte alignment)."""
-        q_do = 2 * self.stages * self.m_block * head_dim * 2
-        k_v = 2 * self.n_block * head_dim * 2
+        multiple of its 1024-byte alignment); V and dO are head_dim_v wide
+        (default head_dim)."""
+        widths = head_dim + (head_dim_v or head_dim)
+        q_do = self.stages * self.m_block * widths * 2
+        k_v = self.n_block * widths * 2
         p_ds = (2 if self.split_head_dim else 1) * self.stages * self.m_block * self.n_block * 2
         dq = 0 if self.dq_in_stage else self.m_block * head_dim * 4
         stats = 2 * self.m_block * self.stages * 4 + 128
@@ -114,10 +116,20 @@ class TileConfig:
 # query column from the stats warp's stage at 64 rows too, as the 80-row
 # path does (branch bwd-column-stats, run 50): hd64 390 / 365 against
 # 397-400 / 361-362, hd96 467 / 417 against 452-465 / 421-429; not kept.
+#
+# DeepSeek's prefill shape, head_dim 192 with head_dim_v 128, takes hd192's
+# tile with V, dO and dV 128 wide: each WG holds 64 columns of dV (32 floats
+# per thread) and 96 of dK and dQ. Shared memory 203 KiB against hd192's 227
+# (Q / dO stages 80 KiB, K / V 40 KiB, P^T / dS^T 32 KiB, dQ 48 KiB), so a
+# third stage does not fit (259 KiB), nor does dq_in_stage help: the 48 KiB
+# fp32 dQ tile is larger than a 40 KiB Q / dO pair. Untimed.
+# (head_dim, head_dim_v) -> tile
 TILE_CONFIGS = {
-    64: TileConfig(m_block=64, n_block=128, stages=2),
-    96: TileConfig(m_block=64, n_block=128, stages=2),
-    128: TileConfig(m_block=80, n_block=128, stages=2),
-    192: TileConfig(m_block=64, n_block=64, stages=2, split_head_dim=True, det_stats_warp=False),
-    256: TileConfig(m_block=64, n_block=64, stages=2, split_head_dim=True, dq_in_stage=True, det_stats_warp=False),
+    (64, 64): TileConfig(m_block=64, n_block=128, stages=2),
+    (96, 96): TileConfig(m_block=64, n_block=128, stages=2),
+    (128, 128): TileConfig(m_block=80, n_block=128, stages=2),
+    (192, 192): TileConfig(m_block=64, n_block=64, stages=2, split_head_dim=True, det_stats_warp=False),
+    (192, 128): TileConfig(m_block=64, n_block=64, stages=2, split_head_dim=True, det_stats_warp=False),
+    (256, 256): TileConfig(m_block=64, n_block=64, stages=2, split_head_dim=True, dq_in_stage=True,
+                           det_stats_warp=False),
 }

@@ -67,8 +67,8 @@ BAR_STATS = 4 + 2 * MAX_DQ_WRITERS
 
 
 class ProducerWarps:
-    """Needs head_dim, m_block, n_block, stages, deterministic, dq_in_stage
-    and dq_writers (set by FlashBwdSm90.__init__)."""
+    """Needs head_dim, head_dim_v, m_block, n_block, stages, deterministic,
+    dq_in_stage and dq_writers (set by FlashBwdSm90.__init__)."""
 
     @cute.jit
     def _write_dq(
@@ -153,10 +153,10 @@ class ProducerWarps:
         sQ, sK, sV, sdO, pipe, kv_bar, bytes_KV,
         n_block, kv_head, batch, group, m_block_min, m_blocks, n_iters,
     ):
-        D, M, N = self.head_dim, self.m_block, self.n_block
+        D, Dv, M, N = self.head_dim, self.head_dim_v, self.m_block, self.n_block
         if n_iters > 0:
             gK = cute.local_tile(tma_K[None, None, kv_head, batch], (N, D), (None, 0))
-            gV = cute.local_tile(tma_V[None, None, kv_head, batch], (N, D), (None, 0))
+            gV = cute.local_tile(tma_V[None, None, kv_head, batch], (N, Dv), (None, 0))
             tKsK, tKgK = cpasync.tma_partition(
                 tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
             )
@@ -172,7 +172,7 @@ class ProducerWarps:
         for it in cutlass.range(n_iters, unroll=1):
             head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic)
             gQ = cute.local_tile(tma_Q[None, None, head, batch], (M, D), (None, 0))
-            gdO = cute.local_tile(tma_dO[None, None, head, batch], (M, D), (None, 0))
+            gdO = cute.local_tile(tma_dO[None, None, head, batch], (M, Dv), (None, 0))
             tQsQ, tQgQ = cpasync.tma_partition(
                 tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
             )

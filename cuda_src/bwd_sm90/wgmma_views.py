@@ -46,3 +46,18 @@ def issue_wgmma(tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr):
         tiled_mma.set(warpgroup.Field.ACCUMULATE, not zero_init or k != 0)
         cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
     warpgroup.commit_group()
+
+
+def stage_pair_views(buffer, sQ_layout, sdQ_layout, dtype, stages: int):
+    """(sQ, sdO, sdQ) for TileConfig.dq_in_stage: Q and dO of each stage side
+    by side in `buffer` (so sdO shares sQ's layout: V is as wide as Q there),
+    and each stage's fp32 (M, D) dQ tile over its Q / dO pair, from Q[s]."""
+    stage = cute.cosize(cute.slice_(sQ_layout, (None, None, 0)))
+    outer = sQ_layout.outer
+    # The stage mode is (1, stages) after tile_to_shape.
+    paired = cute.make_layout(outer.shape, stride=(outer.stride[0], outer.stride[1], (outer.stride[2][0], 2 * stage)))
+    sQ = buffer.get_tensor(paired, swizzle=sQ_layout.inner)
+    sdO = cute.make_tensor(cute.recast_ptr(buffer.data_ptr() + stage, sQ_layout.inner, dtype=dtype), paired)
+    dq = sdQ_layout.outer
+    staged = cute.make_layout((*dq.shape, stages), stride=(*dq.stride, cute.cosize(dq)))
+    return sQ, sdO, buffer.get_tensor(staged, swizzle=sdQ_layout.inner, dtype=cutlass.Float32)

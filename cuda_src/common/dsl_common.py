@@ -116,6 +116,19 @@ def zero_outside_key_window(acc_mn, tScS, m0, n0, q_len, kv_len, lo, hi, row_seg
                 acc_mn[r, c] = Float32(0.0)
 
 
+def row_store_tile(dtype, cols: int, threads: int) -> cute.TiledCopy:
+    """16-byte stores of whole rows of a (rows, cols) tile by `threads`
+    threads, a row in 64-column (else 32-column) runs: for
+    store_existing_rows."""
+    vec = 128 // dtype.width
+    thr_cols = (64 if cols % 64 == 0 else 32) // vec
+    return cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128),
+        cute.make_ordered_layout((threads // thr_cols, thr_cols), order=(1, 0)),
+        cute.make_layout((1, vec)),
+    )
+
+
 @cute.jit
 def store_existing_rows(
     tiled_copy, sX, mX, block, seqlen, tidx, rows: cutlass.Constexpr, head_dim: cutlass.Constexpr, dtype
