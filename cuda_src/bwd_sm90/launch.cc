@@ -10,8 +10,9 @@
 //        $DSL/cu13/lib/libcuda_dialect_runtime_static.a
 //        -Xlinker --exclude-libs,ALL -o libjax_flash_bwd_sm90.so
 //
-// The objects' symbols carry their prefix (jf_bwd90_sm90a_<dtype>_hd<d>, and
-// jf_bwd90det_... for the deterministic variants), so
+// The objects' symbols carry their prefix (jf_bwd90_sm90a_<dtype>_hd<d>, or
+// ..._hd<d>v<dv> where V is narrower, and jf_bwd90det_... for the
+// deterministic variants), so
 // this links next to the sm80 family in one library; the static DSL runtime
 // must then be linked once. The TMA descriptors are encoded on the host by
 // the exported wrapper on every call (cuTensorMapEncodeTiled via that
@@ -35,9 +36,9 @@ using jax_flash_launch::Fail;
   , reinterpret_cast<PREFIX##_Tensor_mQSeg_t*>(const_cast<SegIds*>(&a.q_seg)),      \
       reinterpret_cast<PREFIX##_Tensor_mKVSeg_t*>(const_cast<SegIds*>(&a.kv_seg)),  \
       reinterpret_cast<PREFIX##_Tensor_mQBounds_t*>(const_cast<Bounds*>(&a.q_bounds))
-#define JF_BWD_DEFINE_LAUNCH(ARCH, DTYPE, HDIM, PREFIX) \
+#define JF_BWD_DEFINE_LAUNCH(ARCH, DTYPE, HDIM, HDIM_V, PREFIX) \
   JF_BWD_DEFINE_LAUNCH_WITH("jax_flash_bwd_sm90", PREFIX, JF_BWD_NO_SEG_ARGS)
-#define JF_BWD_DEFINE_SEG_LAUNCH(ARCH, DTYPE, HDIM, PREFIX) \
+#define JF_BWD_DEFINE_SEG_LAUNCH(ARCH, DTYPE, HDIM, HDIM_V, PREFIX) \
   JF_BWD_DEFINE_LAUNCH_WITH("jax_flash_bwd_sm90", PREFIX, JF_BWD_SM90_SEG_ARGS)
 JF_BWD_SM90_VARIANTS_SM90A(JF_BWD_DEFINE_LAUNCH)
 JF_BWD_SM90_DET_VARIANTS_SM90A(JF_BWD_DEFINE_LAUNCH)
@@ -51,9 +52,10 @@ using LaunchFn = int (*)(const BwdLaunchArgs&, cudaStream_t, char*, size_t);
 
 // No variant is both deterministic and packed-document, nor soft-capped and
 // either (kernel.py says why): those problems run on the sm80 backward.
-LaunchFn FindVariant(int arch, JfDtype dtype, int head_dim, bool deterministic, bool segments, bool softcap) {
-#define JF_BWD_MATCH(ARCH, DTYPE, HDIM, PREFIX) \
-  if (dtype == DTYPE && head_dim == HDIM) return &Launch_##PREFIX;
+LaunchFn FindVariant(int arch, const JfProblem& p) {
+  const bool deterministic = p.deterministic == 1, segments = p.has_segments == 1, softcap = p.softcap != 0.0f;
+#define JF_BWD_MATCH(ARCH, DTYPE, HDIM, HDIM_V, PREFIX) \
+  if (p.dtype == DTYPE && p.head_dim == HDIM && p.head_dim_v == HDIM_V) return &Launch_##PREFIX;
   if (arch != 90 || (deterministic && segments) || (softcap && (deterministic || segments))) return nullptr;
   if (softcap) {
     JF_BWD_SM90_CAP_VARIANTS_SM90A(JF_BWD_MATCH)
@@ -75,9 +77,7 @@ constexpr const char* kWho = "jax_flash_bwd_sm90";
 extern "C" int jax_flash_bwd_sm90_can_implement(const JfProblem* p) {
   if (p == nullptr) return 0;
   if (p->dtype != JF_FLOAT16 && p->dtype != JF_BFLOAT16) return 0;
-  if (p->head_dim != p->head_dim_v ||
-      FindVariant(90, p->dtype, p->head_dim, p->deterministic == 1, p->has_segments == 1, p->softcap != 0.0f) == nullptr)
-    return 0;
+  if (FindVariant(90, *p) == nullptr) return 0;
   if (p->batch > 65535 || p->heads_kv > 65535) return 0;
   int arch = 0;
   if (jax_flash_launch::CurrentBwdArch(/*has_sm80=*/false, kWho, nullptr, 0, &arch) != 0) return 0;
@@ -98,14 +98,11 @@ extern "C" int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream_ptr, char*
   if (p.heads_q <= 0 || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0)
     return Fail(err, err_len, "jax_flash_bwd_sm90: heads_q (%d) must be a positive multiple of heads_kv (%d)",
                 p.heads_q, p.heads_kv);
-  if (p.head_dim != p.head_dim_v)
-    return Fail(err, err_len, "jax_flash_bwd_sm90: head_dim_v (%d) must equal head_dim (%d)", p.head_dim_v,
-                p.head_dim);
-  if (FindVariant(90, p.dtype, p.head_dim, p.deterministic == 1, p.has_segments == 1, p.softcap != 0.0f) == nullptr)
+  if (FindVariant(90, p) == nullptr)
     return Fail(err, err_len,
-                "jax_flash_bwd_sm90: no variant for head_dim %d, deterministic %d, has_segments %d, "
-                "softcap %g (built: bwd_sm90_variants_sm_90a.h)",
-                p.head_dim, p.deterministic, p.has_segments, double(p.softcap));
+                "jax_flash_bwd_sm90: no variant for head_dim %d, head_dim_v %d, deterministic %d, "
+                "has_segments %d, softcap %g (built: bwd_sm90_variants_sm_90a.h)",
+                p.head_dim, p.head_dim_v, p.deterministic, p.has_segments, double(p.softcap));
   if (!(p.scale == p.scale) || p.scale == INFINITY || p.scale == -INFINITY)
     return Fail(err, err_len, "jax_flash_bwd_sm90: scale must be finite");
   if (jax_flash_launch::CheckOptions(p, "jax_flash_bwd_sm90", err, err_len) != 0) return 1;
@@ -123,8 +120,7 @@ extern "C" int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream_ptr, char*
 
   int arch = 0;
   if (jax_flash_launch::CurrentBwdArch(/*has_sm80=*/false, kWho, err, err_len, &arch) != 0) return 1;
-  LaunchFn launch =
-      FindVariant(arch, p.dtype, p.head_dim, p.deterministic == 1, p.has_segments == 1, p.softcap != 0.0f);
+  LaunchFn launch = FindVariant(arch, p);
   if (launch == nullptr)
     return Fail(err, err_len, "jax_flash_bwd_sm90: no kernel for compute capability %d.x (needs 9.x)",
                 arch > 0 ? arch / 10 : -arch);

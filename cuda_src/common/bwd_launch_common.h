@@ -19,7 +19,7 @@ namespace jax_flash_launch {
 // Tensor descriptors as the exported wrappers take them: the data pointer,
 // the dynamic extents (every mode but head_dim) and the dynamic strides (all
 // but the two innermost, which are head_dim and 1 or just 1), in mode order.
-struct Bthd {  // [batch, seqlen, heads, head_dim]
+struct Bthd {  // [batch, seqlen, heads, head_dim] (v, dout, dv: head_dim_v)
   void* data;
   int32_t shape[3];
   int64_t stride[2];
@@ -59,15 +59,17 @@ struct BwdLaunchArgs {
 // Query tiles per (batch, head) in dq_semaphore (kernel_api.h).
 inline int32_t SemaphoreTiles(int32_t seqlen_q) { return (seqlen_q + 31) / 32; }
 
-// Element counts of the problem's query-side and key-side tensors.
+// Element counts of the problem's query-side and key-side tensors: q (and
+// dq_accum), k (and dk), v (and dv, head_dim_v wide).
 struct BwdSizes {
   size_t q_elems;
   size_t kv_elems;
+  size_t v_elems;
 };
 
 inline BwdSizes SizesOf(const JfProblem& p) {
-  return {size_t(p.batch) * p.seqlen_q * p.heads_q * p.head_dim,
-          size_t(p.batch) * p.seqlen_k * p.heads_kv * p.head_dim};
+  const size_t keys = size_t(p.batch) * p.seqlen_k * p.heads_kv;
+  return {size_t(p.batch) * p.seqlen_q * p.heads_q * p.head_dim, keys * p.head_dim, keys * p.head_dim_v};
 }
 
 // Every operand the problem reads or writes must be present and aligned as
@@ -122,7 +124,7 @@ inline int ZeroBwdOutputs(const JfBwdArgs* args, BwdSizes n, cudaStream_t stream
   if (n.q_elems == 0 || n.kv_elems == 0) {
     if (n.kv_elems > 0) {
       e = cudaMemsetAsync(args->dk, 0, n.kv_elems * kElemBytes, stream);
-      if (e == cudaSuccess) e = cudaMemsetAsync(args->dv, 0, n.kv_elems * kElemBytes, stream);
+      if (e == cudaSuccess) e = cudaMemsetAsync(args->dv, 0, n.v_elems * kElemBytes, stream);
       if (e != cudaSuccess) return Fail(err, err_len, "%s: zeroing dk/dv: %s", who, cudaGetErrorString(e));
     }
     *done = true;
@@ -145,9 +147,9 @@ inline int CurrentBwdArch(bool has_sm80, const char* who, char* err, size_t err_
 
 inline BwdLaunchArgs MakeBwdLaunchArgs(const JfBwdArgs* args) {
   const JfProblem& p = args->problem;
-  const int32_t B = p.batch, T = p.seqlen_q, S = p.seqlen_k, Hq = p.heads_q, Hkv = p.heads_kv, D = p.head_dim;
-  auto bthd = [&](const void* ptr, int32_t t, int32_t h) {
-    return Bthd{const_cast<void*>(ptr), {B, t, h}, {int64_t{t} * h * D, int64_t{h} * D}};
+  const int32_t B = p.batch, T = p.seqlen_q, S = p.seqlen_k, Hq = p.heads_q, Hkv = p.heads_kv;
+  auto bthd = [&](const void* ptr, int32_t t, int32_t h, int32_t d) {
+    return Bthd{const_cast<void*>(ptr), {B, t, h}, {int64_t{t} * h * d, int64_t{h} * d}};
   };
   auto bht = [&](const void* ptr) {
     return Bht{const_cast<void*>(ptr), {B, Hq, T}, {int64_t{Hq} * T, int64_t{T}}};
@@ -161,13 +163,14 @@ inline BwdLaunchArgs MakeBwdLaunchArgs(const JfBwdArgs* args) {
   hi = std::min(std::max(hi, -reach), reach);
 
   BwdLaunchArgs a;
-  a.q = bthd(args->q, T, Hq);
-  a.k = bthd(args->k, S, Hkv);
-  a.v = bthd(args->v, S, Hkv);
-  a.dout = bthd(args->dout, T, Hq);
-  a.dq = bthd(args->dq_accum, T, Hq);
-  a.dk = bthd(args->dk, S, Hkv);
-  a.dv = bthd(args->dv, S, Hkv);
+  const int32_t D = p.head_dim, Dv = p.head_dim_v;
+  a.q = bthd(args->q, T, Hq, D);
+  a.k = bthd(args->k, S, Hkv, D);
+  a.v = bthd(args->v, S, Hkv, Dv);
+  a.dout = bthd(args->dout, T, Hq, Dv);
+  a.dq = bthd(args->dq_accum, T, Hq, D);
+  a.dk = bthd(args->dk, S, Hkv, D);
+  a.dv = bthd(args->dv, S, Hkv, Dv);
   a.lse = bht(args->lse);
   a.delta = bht(args->delta);
   const int32_t tiles = SemaphoreTiles(T);
