@@ -54,10 +54,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
 
 from common.dsl_common import (
     cap_scores_with_slope,
@@ -78,7 +76,10 @@ from transposed_scores import (
     warp_sees_several_ids,
     zero_hidden_pairs,
 )
-from wgmma_views import as_operand_a, issue_wgmma, smem_tile_layout, stage_pair_views, transposed
+from wgmma_views import (
+    WGMMA_M, as_operand_a, dq_tile_layout, issue_wgmma, key_rows_mma, smem_tile_layout, stage_pair_views,
+    tiled_mma, transposed,
+)
 from warp_roles import (
     BAR_STAGE_READ,
     BAR_EPI,
@@ -103,7 +104,6 @@ from warp_roles import (
 
 LOG2E = math.log2(math.e)
 SMEM_CAPACITY_SM90 = 227 * 1024
-WGMMA_M = 64
 
 
 class FlashBwdSm90(ProducerWarps):
@@ -170,29 +170,12 @@ class FlashBwdSm90(ProducerWarps):
         return (tile or TILE_CONFIGS[dims]).smem_bytes(*dims) <= SMEM_CAPACITY_SM90
 
     # ------------------------------------------------------------------ host
-    def _tiled_mma(self, a_major, b_major, atoms, tile_n):
-        return sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, a_major, b_major, Float32, atoms, (WGMMA_M, tile_n)
-        )
-
-    # _dO_layout, _key_rows_mma(head_dim_v) and row_store_tile(head_dim_v)
-    # are built where they are used, not passed to the kernel: a kernel
-    # parameter more changes the code of every variant.
     def _dO_layout(self):
-        split, Dv = self.split_head_dim, self.head_dim_v
-        return smem_tile_layout(self.dtype, self.m_block, Dv, self.stages, Dv // NUM_MMA_WG if split else Dv)
-
-    def _key_rows_mma(self, cols):
-        """dK += dS^T Q or dV += P^T dO for `cols` columns of dK or dV: split
-        over the WGs by column (split_head_dim), else by key with the A
-        operand from registers."""
-        K_MAJOR, MN_MAJOR = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
-        if self.split_head_dim:
-            return self._tiled_mma(K_MAJOR, MN_MAJOR, (1, NUM_MMA_WG, 1), cols // NUM_MMA_WG)
-        return sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (NUM_MMA_WG, 1, 1), (WGMMA_M, cols),
-            warpgroup.OperandSource.RMEM,
-        )
+        """dO's stages, head_dim_v wide. It, the dV MMA and dV's store tile
+        are built where they are used, not passed to the kernel: a kernel
+        parameter more changes the code of every variant."""
+        Dv = self.head_dim_v
+        return smem_tile_layout(self.dtype, self.m_block, Dv, self.stages, Dv // NUM_MMA_WG if self.split_head_dim else Dv)
 
     @cute.jit
     def __call__(
@@ -240,27 +223,22 @@ class FlashBwdSm90(ProducerWarps):
         sK_layout = smem_tile_layout(self.dtype, N, D, 1, D // NUM_MMA_WG)
         sV_layout = smem_tile_layout(self.dtype, N, Dv, 1, Dv // NUM_MMA_WG if split else Dv)  # dV staged here
         sdS_layout = smem_tile_layout(self.dtype, N, M, st, M)
-        # fp32 dQ tile, swizzled so that the accumulator's row pairs land in
-        # distinct banks; the TMA reads it back box by box.
-        dq_atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, Float32, D // NUM_MMA_WG), Float32
-        )
-        sdQ_layout = cute.tile_to_shape(dq_atom, (M, D), order=(0, 1))
+        sdQ_layout = dq_tile_layout(M, D, D // NUM_MMA_WG)
 
         # S^T = K Q^T and dP^T = V dO^T (keys as the WGMMA M), so that P^T and
         # dS^T are already the register A operands of dV += P^T dO and
         # dK += dS^T Q; dQ = dS K reads dS from shared memory. Split head
         # dim: every product reads P^T and dS^T from shared memory.
         if cutlass.const_expr(split):
-            mma_sdp = self._tiled_mma(K_MAJOR, K_MAJOR, (1, NUM_MMA_WG, 1), M // NUM_MMA_WG)
+            mma_sdp = tiled_mma(self.dtype, K_MAJOR, K_MAJOR, (1, NUM_MMA_WG, 1), M // NUM_MMA_WG)
         else:
-            mma_sdp = self._tiled_mma(K_MAJOR, K_MAJOR, (NUM_MMA_WG, 1, 1), M)
-        mma_dkv = self._key_rows_mma(D)
+            mma_sdp = tiled_mma(self.dtype, K_MAJOR, K_MAJOR, (NUM_MMA_WG, 1, 1), M)
+        mma_dkv = key_rows_mma(self.dtype, D, split)
         if cutlass.const_expr(self.dq_transposed):
             # dQ^T = K^T dS^T: the head dim is the WGMMA M, split over the WGs.
-            mma_dq = self._tiled_mma(MN_MAJOR, MN_MAJOR, (NUM_MMA_WG, 1, 1), M)
+            mma_dq = tiled_mma(self.dtype, MN_MAJOR, MN_MAJOR, (NUM_MMA_WG, 1, 1), M)
         else:
-            mma_dq = self._tiled_mma(MN_MAJOR, MN_MAJOR, (1, NUM_MMA_WG, 1), D // NUM_MMA_WG)
+            mma_dq = tiled_mma(self.dtype, MN_MAJOR, MN_MAJOR, (1, NUM_MMA_WG, 1), D // NUM_MMA_WG)
 
         # TMA views are (seqlen, head_dim, heads, batch) so a (rows, D) box
         # tiles the first two modes; rows past seqlen read as zeros.
@@ -481,7 +459,7 @@ class FlashBwdSm90(ProducerWarps):
         # accumulators per thread.
         wg_sdp = mma_sdp.get_slice(wg * WG_THREADS)
         wg_dkv = mma_dkv.get_slice(wg * WG_THREADS)
-        mma_dv = self._key_rows_mma(Dv)
+        mma_dv = key_rows_mma(self.dtype, Dv, split)
         wg_dv = mma_dv.get_slice(wg * WG_THREADS)
         wg_dq = mma_dq.get_slice(wg * WG_THREADS)
         thr_sdp = mma_sdp.get_slice(tidx)

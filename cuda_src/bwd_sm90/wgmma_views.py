@@ -10,6 +10,27 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
 from common.dsl_common import wgmma_acc_as_operand_a
+from warp_roles import NUM_MMA_WG
+
+WGMMA_M = 64  # rows of one warpgroup's WGMMA
+
+
+def tiled_mma(dtype, a_major, b_major, atoms, tile_n: int, a_source=warpgroup.OperandSource.SMEM):
+    """fp32-accumulating WGMMAs of (WGMMA_M, tile_n) per warpgroup, laid out
+    over the consumer WGs by `atoms`."""
+    return sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, a_major, b_major, cutlass.Float32, atoms, (WGMMA_M, tile_n), a_source
+    )
+
+
+def key_rows_mma(dtype, cols: int, split: bool):
+    """dK += dS^T Q or dV += P^T dO for `cols` columns of dK or dV: the WGs
+    split the columns (TileConfig.split_head_dim), else the keys, with the A
+    operand (P^T, dS^T) from registers."""
+    K_MAJOR, MN_MAJOR = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+    if split:
+        return tiled_mma(dtype, K_MAJOR, MN_MAJOR, (1, NUM_MMA_WG, 1), cols // NUM_MMA_WG)
+    return tiled_mma(dtype, K_MAJOR, MN_MAJOR, (NUM_MMA_WG, 1, 1), cols, warpgroup.OperandSource.RMEM)
 
 
 def smem_tile_layout(dtype, rows: int, cols: int, stages: int, major_size: int):
@@ -23,6 +44,14 @@ def smem_tile_layout(dtype, rows: int, cols: int, stages: int, major_size: int):
     kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, major_size)
     atom = warpgroup.make_smem_layout_atom(kind, dtype)
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def dq_tile_layout(rows: int, cols: int, major_size: int):
+    """The fp32 dQ tile, swizzled so that the accumulator's row pairs land in
+    distinct banks; the TMA reads it back box by box (major_size wide)."""
+    kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, cutlass.Float32, major_size)
+    atom = warpgroup.make_smem_layout_atom(kind, cutlass.Float32)
+    return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
 
 
 def transposed(t: cute.Tensor) -> cute.Tensor:
