@@ -80,7 +80,7 @@ def pad_value_head_dim(backend: str, v, shapes: validation.Shapes, forward_only:
   """(v as the ``backend`` kernels take it, the function that turns their
   output back into ``head_dim_v`` columns); see configs.BackendSupport.
   ``forward_only``: V as the forward kernel takes it (the backward pads for
-  itself: vjp.py)."""
+  itself where its kernels need it: vjp.py)."""
   hopper = forward_only and backend == "gpu" and (ffi.gpu_compute_capability() or (0,))[0] == 9
   padding = configs.BACKENDS[backend].value_padding(shapes.head_dim, shapes.head_dim_v, hopper)
   if not padding:

@@ -23,8 +23,9 @@ class BackendSupport:
   # served with V zero-padded to head_dim (exact: the padded columns of O are
   # zeros and are cut off) at the cost of the wider P V product.
   pads_head_dim_v: bool
-  # (head_dim, head_dim_v) pairs with forward kernels of their own on Hopper
-  # (compute capability 9.x), which then take V unpadded; the backward pads.
+  # (head_dim, head_dim_v) pairs with kernels of their own on Hopper (compute
+  # capability 9.x), which take V unpadded: the forward always, the backward
+  # where the sm90 kernels serve it (sm90_backward_serves).
   native_value_dims: tuple[tuple[int, int], ...]
   # GQA query heads are packed into one sequence below this many queries
   # (head_packing.py): the query rows of one forward tile (CPU: up to head
@@ -49,14 +50,29 @@ class BackendSupport:
               f"head_dim_v={head_dim_v}")
     return None
 
-  def value_padding(self, head_dim: int, head_dim_v: int, hopper_forward: bool = False) -> int:
+  def value_padding(self, head_dim: int, head_dim_v: int, hopper_kernels: bool = False) -> int:
     """Zero columns to append to V (and cut from O, or dV) for the kernels;
-    ``hopper_forward``: for the forward on a Hopper GPU."""
+    ``hopper_kernels``: the call runs on Hopper's own kernels (the forward on
+    a Hopper GPU; the backward there if ``sm90_backward_serves``)."""
     if not self.pads_head_dim_v:
       return 0
-    if hopper_forward and (head_dim, head_dim_v) in self.native_value_dims:
+    if hopper_kernels and (head_dim, head_dim_v) in self.native_value_dims:
       return 0
     return head_dim - head_dim_v
+
+
+def sm90_backward_serves(*, deterministic: bool, has_segments: bool, softcap: bool, batch: int,
+                         heads_kv: int) -> bool:
+  """Whether the Hopper backward kernels take a backward call on a Hopper GPU
+  (cuda_src/bwd_sm90/launch.cc: can_implement): they have no variant that is
+  deterministic with packed documents, nor a soft-capped one that is either,
+  and take at most 65535 batch entries and kv heads (grid dimensions). The
+  sm80 kernels run the others, with V padded."""
+  if has_segments and deterministic:
+    return False
+  if softcap and (deterministic or has_segments):
+    return False
+  return batch <= 65535 and heads_kv <= 65535
 
 
 CPU = BackendSupport(
@@ -72,8 +88,8 @@ CPU = BackendSupport(
 
 # The FlashAttention-2-style CuTe DSL kernels (cuda_src/fwd_sm80, bwd_sm80),
 # exported for sm_80 and sm_90a, and the Hopper kernels (fwd_sm90, bwd_sm90).
-# A smaller V head dim runs padded, but for DeepSeek's 192 / 128 forward on
-# Hopper (cuda_src/fwd_sm90/tile_config.py).
+# A smaller V head dim runs padded, but for DeepSeek's 192 / 128 on Hopper
+# (cuda_src/fwd_sm90/tile_config.py, cuda_src/bwd_sm90/tile_config.py).
 GPU = BackendSupport(
     name="gpu",
     dtypes=(np.dtype(jnp.float16), np.dtype(jnp.bfloat16)),

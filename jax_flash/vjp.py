@@ -3,6 +3,7 @@ with ``jax.custom_vjp``. The forward saves (q, k, v, out, lse); the backward
 recomputes the probabilities tile by tile in its own kernel."""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,11 @@ def _backward(call, residuals, cotangents):
   # native_value_dims): zero columns of V and dout change neither dP nor
   # dQ / dK, and their dV columns are cut off.
   head_dim_v = v.shape[-1]
-  padding = configs.BACKENDS[call.backend].value_padding(q.shape[-1], head_dim_v)
+  hopper = call.backend == "gpu" and (ffi.gpu_compute_capability() or (0,))[0] == 9
+  hopper = hopper and configs.sm90_backward_serves(
+      deterministic=call.deterministic, has_segments=masks[2].shape[-1] > 0,
+      softcap=call.softcap > 0, batch=math.prod(q.shape[:-3]), heads_kv=k.shape[-2])
+  padding = configs.BACKENDS[call.backend].value_padding(q.shape[-1], head_dim_v, hopper)
   if padding:
     widen = [(0, 0)] * (v.ndim - 1) + [(0, padding)]
     v, dout = jnp.pad(v, widen), jnp.pad(dout, widen)

@@ -85,13 +85,19 @@ class AttentionTestBase:
     self.check(dtype=dtype, head_dim=head_dim, causal=causal)
 
   @pytest.mark.parametrize("case", ["full", "causal", "window", "gqa-lengths", "documents",
-                                    "many-keys", "softcap", "decode"])
+                                    "many-keys", "softcap", "decode", "deterministic",
+                                    "deterministic-documents"])
   def test_smaller_value_head_dim(self, dtype, case):
     # DeepSeek's prefill shape, queries and keys 192 wide and values 128, has
-    # forward kernels of its own on Hopper; elsewhere V is padded.
+    # kernels of its own on Hopper, but for the backward of deterministic
+    # packed documents (configs.sm90_backward_serves); elsewhere V is padded.
     kw = dict(head_dim=192, head_dim_v=128, dtype=dtype)
     if case in ("full", "causal"):
       self.check(seq_q=200, seq_k=333, causal=case == "causal", **kw)
+    elif case == "deterministic":
+      self.check(seq_q=200, seq_k=333, causal=True, deterministic=True, **kw)
+    elif case == "deterministic-documents":
+      self._check_mask_case("documents", deterministic=True, **kw)
     elif case == "softcap":
       self.check(seq_q=150, seq_k=150, causal=True, softcap=1.5, **kw)
     elif case == "decode":

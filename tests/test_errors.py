@@ -118,23 +118,36 @@ def test_gpu_value_head_dim():
   gpu = jax_flash.configs.GPU
   assert gpu.unsupported_reason(jnp.bfloat16, 192, 128) is None
   assert gpu.value_padding(192, 128) == 64 and gpu.value_padding(128, 128) == 0
-  # DeepSeek's 192 / 128 has Hopper forward kernels of its own; other pairs pad.
-  assert gpu.value_padding(192, 128, hopper_forward=True) == 0
-  assert gpu.value_padding(256, 128, hopper_forward=True) == 128
+  # DeepSeek's 192 / 128 has Hopper kernels of its own; other pairs pad.
+  assert gpu.value_padding(192, 128, hopper_kernels=True) == 0
+  assert gpu.value_padding(256, 128, hopper_kernels=True) == 128
+  # The Hopper backward hands what it has no variant for to the sm80 kernels.
+  serves = functools.partial(jax_flash.configs.sm90_backward_serves, deterministic=False,
+                             has_segments=False, softcap=False, batch=2, heads_kv=8)
+  assert serves() and serves(deterministic=True) and serves(has_segments=True)
+  assert serves(softcap=True)
+  assert not serves(deterministic=True, has_segments=True)
+  assert not serves(softcap=True, deterministic=True) and not serves(softcap=True, has_segments=True)
+  assert not serves(batch=65536) and not serves(heads_kv=65536)
   assert jax_flash.configs.CPU.value_padding(192, 128) == 0
   reason = gpu.unsupported_reason(jnp.bfloat16, 128, 192)
   assert reason == "the gpu kernels need head_dim_v <= head_dim, got head_dim=128, head_dim_v=192"
 
 
 @pytest.mark.gpu
-def test_hopper_forward_takes_narrow_values_unpadded():
+def test_hopper_takes_narrow_values_unpadded():
   if (ffi.gpu_compute_capability() or (0,))[0] != 9:
-    pytest.skip("the 192 / 128 forward kernels are Hopper's")
+    pytest.skip("the 192 / 128 kernels are Hopper's")
   q, k = (jnp.zeros((1, 64, 2, 192), jnp.bfloat16),) * 2
   v = jnp.zeros((1, 64, 2, 128), jnp.bfloat16)
   attend = functools.partial(jax_flash.attention, implementation="gpu")
   assert "stablehlo.pad" not in jax.jit(attend).lower(q, k, v).as_text()
-  # The backward kernels take V as wide as Q: it pads V and dout for them.
+  grads = jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).sum(), argnums=2))
+  assert "stablehlo.pad" not in grads.lower(q, k, v).as_text()
+  # Deterministic packed documents run on the sm80 backward, which takes V
+  # as wide as Q: V and dout are padded for it.
+  ids = jnp.zeros((1, 64), jnp.int32)
+  attend = functools.partial(attend, segment_ids=ids, deterministic=True)
   grads = jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).sum(), argnums=2))
   assert "stablehlo.pad" in grads.lower(q, k, v).as_text()
 
