@@ -29,7 +29,8 @@ Head dims 192 and 256 (TileConfig.split_head_dim) would need 256 floats of
 dK and dV per thread at 128 keys: there the CTA owns 64 keys and the two
 WGs split the head dim of dK, dV and dQ (and the query rows of S^T, dP^T),
 so P^T goes through shared memory like dS^T and every product after the
-scores reads both from there, after one barrier.
+scores reads both from there, after one barrier. DeepSeek's 192 / 128
+(head_dim_v 128: V, dO, dV) splits the same way, dV in 64-column halves.
 
 dQ leaves the consumers through a shared fp32 tile: two more producer warps,
 taking the query tiles in turn (warp_roles.DQ_WARP), add it to the fp32
