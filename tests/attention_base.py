@@ -86,7 +86,7 @@ class AttentionTestBase:
 
   @pytest.mark.parametrize("case", ["full", "causal", "window", "gqa-lengths", "documents",
                                     "many-keys", "softcap", "decode", "deterministic",
-                                    "deterministic-documents"])
+                                    "deterministic-full", "deterministic-documents"])
   def test_smaller_value_head_dim(self, dtype, case):
     # DeepSeek's prefill shape, queries and keys 192 wide and values 128, has
     # kernels of its own on Hopper, but for the backward of deterministic
@@ -94,8 +94,8 @@ class AttentionTestBase:
     kw = dict(head_dim=192, head_dim_v=128, dtype=dtype)
     if case in ("full", "causal"):
       self.check(seq_q=200, seq_k=333, causal=case == "causal", **kw)
-    elif case == "deterministic":
-      self.check(seq_q=200, seq_k=333, causal=True, deterministic=True, **kw)
+    elif case in ("deterministic", "deterministic-full"):
+      self.check(seq_q=200, seq_k=333, causal=case == "deterministic", deterministic=True, **kw)
     elif case == "deterministic-documents":
       self._check_mask_case("documents", deterministic=True, **kw)
     elif case == "softcap":
@@ -206,20 +206,25 @@ class AttentionTestBase:
     self.check(seq_q=260, seq_k=260, segment_ids=ids, window=(70, 0), softcap=3.0,
                dtype=self.dtypes[0])
 
-  @pytest.mark.parametrize("case", ["causal_gqa", "window", "documents", "lengths", "causal_lengths"])
+  @pytest.mark.parametrize("case", ["causal_gqa", "window", "documents", "lengths", "causal_lengths",
+                                    "few_queries", "few_keys"])
   def test_deterministic_backward(self, case):
     # causal_lengths: the turns of a causal mask may be taken from the last
-    # KV tile that sees a query tile down, which lengths cut short.
+    # KV tile that sees a query tile down, which lengths cut short. Without a
+    # mask the KV tiles take turns in a rotated order, which few_queries (more
+    # KV tiles than query tiles) and few_keys test at its edges.
     lengths = dict(q_lens=jnp.array([700, 321], jnp.int32), kv_lens=jnp.array([555, 700], jnp.int32))
     kwargs = {"causal_gqa": dict(causal=True),
               "window": dict(window=(200, 30)),
               "documents": dict(causal=True,
                                 segment_ids=packed_segment_ids(15, batch=2, seq=700, num_docs=4)),
               "lengths": lengths,
-              "causal_lengths": dict(causal=True, **lengths)}[case]
-    first = self.check(seq_q=700, seq_k=700, heads_q=8, heads_kv=2, head_dim=self.head_dims[0],
+              "causal_lengths": dict(causal=True, **lengths),
+              "few_queries": {}, "few_keys": {}}[case]
+    seq_q, seq_k = {"few_queries": (130, 700), "few_keys": (700, 200)}.get(case, (700, 700))
+    first = self.check(seq_q=seq_q, seq_k=seq_k, heads_q=8, heads_kv=2, head_dim=self.head_dims[0],
                        dtype=self.dtypes[0], deterministic=True, **kwargs)
-    q, k, v, dout = numerics.random_qkv(0, 2, 700, 700, 8, 2, self.head_dims[0], self.dtypes[0])
+    q, k, v, dout = numerics.random_qkv(0, 2, seq_q, seq_k, 8, 2, self.head_dims[0], self.dtypes[0])
     mask = {name: value for name, value in kwargs.items() if name not in ("q_lens", "kv_lens")}
     if "q_lens" in kwargs:
       mask.update(query_seq_lengths=kwargs["q_lens"], key_value_seq_lengths=kwargs["kv_lens"])
@@ -227,10 +232,12 @@ class AttentionTestBase:
       again = run_attention(q, k, v, dout, self.implementation, deterministic=True, **mask)
       chex.assert_trees_all_equal(first, again)
 
-  def test_deterministic_backward_at_every_head_dim(self, head_dim):
+  @pytest.mark.parametrize("masked", [True, False], ids=["window", "full"])
+  def test_deterministic_backward_at_every_head_dim(self, head_dim, masked):
     # The deterministic backward of each head dim's kernels (on Hopper the
-    # split-head-dim ones at 192 and 256 differ most).
-    kw = dict(causal=True, window=(150, None))
+    # split-head-dim ones at 192 and 256 differ most), in both orders of
+    # turns (masked, and rotated without a mask).
+    kw = dict(causal=True, window=(150, None)) if masked else {}
     q, k, v, dout = numerics.random_qkv(16, 2, 257, 257, 4, 2, head_dim, self.dtypes[0])
     first = self.check(seq_q=257, seq_k=257, head_dim=head_dim, dtype=self.dtypes[0],
                        deterministic=True, seed=16, **kw)

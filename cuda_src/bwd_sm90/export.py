@@ -91,7 +91,9 @@ def main(argv=None):
         extra=[("--tile", dict(default=None, help="M,N,STAGES[,split][,instage][,writersW] instead of "
                                                   "TILE_CONFIGS (timing alternatives; use with --only); "
                                                   "split: split_head_dim, instage: dq_in_stage, "
-                                                  "writersW: det_dq_writers=W"))],
+                                                  "writersW: det_dq_writers=W")),
+               ("--kinds", dict(default="", help="comma-separated name infixes, e.g. bwd90det "
+                                                 "(development aid)"))],
     )
     import cutlass
     from tile_config import TILE_CONFIGS, TileConfig
@@ -107,7 +109,10 @@ def main(argv=None):
     tag = _arch_tag(args.arch)
     rows = {infix: [] for infix, _, _, _ in KINDS}
     variants = []
+    kinds = {k for k in args.kinds.split(",") if k}
     for infix, deterministic, has_segments, has_softcap in KINDS:
+        if kinds and infix not in kinds:
+            continue
         for dtype_tag, dtype_name, jf_dtype in DTYPES:
             for head_dim, head_dim_v in TILE_CONFIGS:
                 if only and f"{dtype_tag}_{dims_tag(head_dim, head_dim_v)}" not in only:

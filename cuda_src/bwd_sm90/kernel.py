@@ -62,6 +62,7 @@ from common.dsl_common import (
     cap_scores_with_slope,
     logit_scales,
     query_tile_of,
+    rotated_order,
     row_store_tile,
     segment_bounds_union,
     store_existing_rows,
@@ -206,8 +207,8 @@ class FlashBwdSm90(ProducerWarps):
         """key_lo <= j - i <= key_hi for a visible (query i, key j) pair; the
         launcher clamps both to +-(seqlen_q + seqlen_k + 1). Only the
         has_softcap variant reads softcap (the launcher sends capped problems
-        to it alone); deterministic completes the signature the backward
-        families share (the launcher picks the variant by it)."""
+        to it alone). deterministic is nonzero in the deterministic variant:
+        how many CTAs the launcher lets run at once (kernel() says why)."""
         if cutlass.const_expr(mQ.element_type != self.dtype):
             raise TypeError("q dtype does not match the compiled variant")
         if cutlass.const_expr(self.has_segments != (mQSeg is not None)):
@@ -290,17 +291,17 @@ class FlashBwdSm90(ProducerWarps):
             # default backward: hd64 0.94, hd128 1.00, hd192 0.64, hd256
             # 0.78 against 0.78, 0.89, 0.58, 0.63 KV tiles first (run 26);
             # heads first lost without a mask (run 25: hd128 0.89 vs 0.95).
-            # Run 37, not kept: turns taken from the last KV tile that sees
-            # a query tile down (KV tiles launched last to first, each CTA
-            # walking its tiles first to last), deterministic causal seq
-            # 8192: hd128 286, hd192 144 TFLOPS against 446-450 and 327-333.
+            # Causal turns from the diagonal KV tile down (launched last to
+            # first): hd128 286, hd192 144 TFLOPS against 446-450, 327-333
+            # (run 37, not kept).
             heads_first = key_hi < mK.shape[1] - 1
             grid = (Int32(cutlass.select_(heads_first, kv_heads, n_blocks)),
                     Int32(cutlass.select_(heads_first, n_blocks, kv_heads)), mK.shape[0])
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_dQ, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
             tma_atom_dQ, mLSE, mDelta, mQLens, mKVLens, mdQ, mdK, mdV, mDqSem,
-            scale, softcap, key_lo, key_hi, mQSeg, mKVSeg, mQBounds,
+            scale, softcap, key_lo, key_hi, deterministic if self.deterministic else None,
+            mQSeg, mKVSeg, mQBounds,
             sQ_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout,
             mma_sdp, mma_dkv, mma_dq, store_dk, SharedStorage,
         ).launch(
@@ -319,7 +320,7 @@ class FlashBwdSm90(ProducerWarps):
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, tma_atom_dO: cute.CopyAtom,
         tma_atom_dQ: cute.CopyAtom, mLSE: cute.Tensor, mDelta: cute.Tensor, mQLens: cute.Tensor, mKVLens: cute.Tensor,
         mdQ: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mDqSem: cute.Tensor,
-        scale: Float32, softcap: Float32, lo: Int32, hi: Int32,
+        scale: Float32, softcap: Float32, lo: Int32, hi: Int32, resident_ctas: Optional[Int32],
         mQSeg: Optional[cute.Tensor], mKVSeg: Optional[cute.Tensor], mQBounds: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
@@ -366,6 +367,11 @@ class FlashBwdSm90(ProducerWarps):
         if n_last >= n0 and row_end > row_begin:
             m_blocks = (row_end + M - 1) // M - m_block_min
         n_iters = m_blocks * group
+        rotation, rotated_kv_blocks = Int32(0), Int32(0)
+        if cutlass.const_expr(self.deterministic):
+            rotation, rotated_kv_blocks = rotated_order(
+                n_block, m_blocks, kv_len, N, lo, hi, seqlen_q, seqlen_k, resident_ctas
+            )
 
         if warp_idx == 0:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dQ):
@@ -414,16 +420,17 @@ class FlashBwdSm90(ProducerWarps):
                 self._produce(
                     tma_Q, tma_K, tma_V, tma_dO, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
                     sQ, sK, sV, sdO, pipe, kv_bar, bytes_KV,
-                    n_block, kv_head, batch, group, m_block_min, m_blocks, n_iters,
+                    n_block, kv_head, batch, group, m_block_min, m_blocks, rotation, n_iters,
                 )
             if warp_idx == STATS_WARP and cutlass.const_expr(self.stats_warp):
                 self._load_stats(
-                    mLSE, mDelta, sStats, batch, kv_head, group, m_block_min, m_blocks, n_iters, seqlen_q,
+                    mLSE, mDelta, sStats, batch, kv_head, group, m_block_min, m_blocks, rotation, n_iters,
+                    seqlen_q,
                 )
             if warp_idx >= DQ_WARP and warp_idx < DQ_WARP + self.dq_writers:
                 self._write_dq(
                     tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, lo, n_block, kv_head, batch, group,
-                    m_block_min, m_blocks, n_iters, warp_idx - DQ_WARP,
+                    m_block_min, m_blocks, rotation, rotated_kv_blocks, n_iters, warp_idx - DQ_WARP,
                 )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -431,7 +438,7 @@ class FlashBwdSm90(ProducerWarps):
                 mLSE, mDelta, sStats, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sP, sdQ, pipe, kv_bar,
                 mma_sdp, mma_dkv, mma_dq, store_dk,
                 scale, scale_log2, softcap_in, lo, hi, n_block, kv_head, batch, group,
-                m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k, mQSeg, mKVSeg,
+                m_block_min, m_blocks, rotation, n_iters, q_len, kv_len, seqlen_q, seqlen_k, mQSeg, mKVSeg,
             )
 
     @cute.jit
@@ -439,7 +446,7 @@ class FlashBwdSm90(ProducerWarps):
         self, mLSE, mDelta, sStats, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sP, sdQ, pipe, kv_bar,
         mma_sdp, mma_dkv, mma_dq, store_dk,
         scale, scale_log2, softcap_in, lo, hi, n_block, kv_head, batch, group,
-        m_block_min, m_blocks, n_iters, q_len, kv_len, seqlen_q, seqlen_k, mQSeg, mKVSeg,
+        m_block_min, m_blocks, rotation, n_iters, q_len, kv_len, seqlen_q, seqlen_k, mQSeg, mKVSeg,
     ):
         D, Dv, M, N = self.head_dim, self.head_dim_v, self.m_block, self.n_block
         split = self.split_head_dim
@@ -538,10 +545,12 @@ class FlashBwdSm90(ProducerWarps):
             lse_q = cute.make_rmem_tensor(2, Float32)
             delta_q = cute.make_rmem_tensor(2, Float32)
             if n_iters > 0:
-                head0, m_block0 = query_tile_of(Int32(0), kv_head, group, m_block_min, m_blocks, self.deterministic)
+                head0, m_block0 = query_tile_of(
+                    Int32(0), kv_head, group, m_block_min, m_blocks, self.deterministic, rotation
+                )
                 load_query_stats(lse_q, delta_q, mLSE, mDelta, batch, head0, m_block0 * M + wg_row0, lane, seqlen_q)
         for it in cutlass.range(n_iters, unroll=1):
-            _, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic)
+            _, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic, rotation)
             m0 = m_block * M
             s = state.index
 
@@ -669,7 +678,8 @@ class FlashBwdSm90(ProducerWarps):
                 # After the dQ hand-off, whose shared-memory fence would wait
                 # for these loads too.
                 next_head, next_m_block = query_tile_of(
-                    cutlass.min(it + 1, n_iters - 1), kv_head, group, m_block_min, m_blocks, self.deterministic
+                    cutlass.min(it + 1, n_iters - 1), kv_head, group, m_block_min, m_blocks, self.deterministic,
+                    rotation,
                 )
                 load_query_stats(
                     lse_q, delta_q, mLSE, mDelta, batch, next_head, next_m_block * M + wg_row0, lane, seqlen_q

@@ -20,6 +20,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -125,7 +126,20 @@ extern "C" int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream_ptr, char*
     return Fail(err, err_len, "jax_flash_bwd_sm90: no kernel for compute capability %d.x (needs 9.x)",
                 arch > 0 ? arch / 10 : -arch);
 
-  if (launch(jax_flash_launch::MakeBwdLaunchArgs(args), stream, err, err_len) != 0) return 1;
+  jax_flash_launch::BwdLaunchArgs launch_args = jax_flash_launch::MakeBwdLaunchArgs(args);
+  if (p.deterministic == 1) {
+    // Without a mask the deterministic kernel may order the turns so that
+    // the CTAs of a head wait on each other both ways (kernel.py), which
+    // needs them all resident at once: it does so where they fit on half the
+    // SMs, leaving room for one more such kernel running alongside.
+    int device = 0, sms = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e == cudaSuccess)
+      e = jax_flash_launch::CachedDeviceAttribute<cudaDevAttrMultiProcessorCount>(device, &sms);
+    if (e != cudaSuccess) return Fail(err, err_len, "jax_flash_bwd_sm90: SM count: %s", cudaGetErrorString(e));
+    launch_args.deterministic = std::max(1, sms / 2);
+  }
+  if (launch(launch_args, stream, err, err_len) != 0) return 1;
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Fail(err, err_len, "jax_flash_bwd_sm90: kernel launch: %s", cudaGetErrorString(e));
   return 0;

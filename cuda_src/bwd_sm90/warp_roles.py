@@ -10,7 +10,9 @@ from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
 from transposed_scores import lse_to_log2
-from common.dsl_common import first_kv_block_seeing, query_tile_of, release_add_s32, wait_at_least
+from common.dsl_common import (
+    first_kv_block_seeing, query_tile_of, release_add_s32, rotated_turn, wait_at_least,
+)
 
 WG_THREADS = 128
 NUM_MMA_WG = 2
@@ -73,7 +75,7 @@ class ProducerWarps:
     @cute.jit
     def _write_dq(
         self, tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, lo, n_block, kv_head, batch, group,
-        m_block_min, m_blocks, n_iters, writer,
+        m_block_min, m_blocks, rotation, rotated_kv_blocks, n_iters, writer,
     ):
         """One warp: per query tile of this writer (see DQ_WARP), wait for
         the consumers' dQ tile, add it to the fp32 accumulator with a TMA
@@ -89,7 +91,7 @@ class ProducerWarps:
                 # The buffer starts empty: as if this writer had read tile -1.
                 cute.arch.barrier_arrive(barrier_id=bar_dq_empty(writer), number_of_threads=DQ_BAR_THREADS)
         for it in cutlass.range(writer, n_iters, self.dq_writers, unroll=1):
-            head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic)
+            head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic, rotation)
             gdQ = cute.local_tile(tma_dQ[None, None, head, batch], (M, D), (None, 0))
             tdQsdQ, tdQgdQ = cpasync.tma_partition(
                 tma_atom_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2)
@@ -100,9 +102,13 @@ class ProducerWarps:
             turn = mDqSem.iterator + cute.crd2idx((batch, head, m_block), mDqSem.layout)
             cute.arch.barrier(barrier_id=bar_dq_full(writer), number_of_threads=DQ_BAR_THREADS)
             if cutlass.const_expr(self.deterministic):
-                # Every earlier KV tile that sees this query tile has added.
+                # Every KV tile before this one in the tile's order has added.
                 if lane == 0:
-                    wait_at_least(turn, n_block - first_kv_block_seeing(m_block, M, N, lo))
+                    if rotated_kv_blocks > 0:
+                        tile = m_block - m_block_min
+                        wait_at_least(turn, rotated_turn(n_block, tile, rotated_kv_blocks, m_blocks))
+                    else:
+                        wait_at_least(turn, n_block - first_kv_block_seeing(m_block, M, N, lo))
                 cute.arch.sync_warp()
             cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, m_block])
             cute.arch.cp_async_bulk_commit_group()
@@ -118,7 +124,7 @@ class ProducerWarps:
 
     @cute.jit
     def _load_stats(
-        self, mLSE, mDelta, sStats, batch, kv_head, group, m_block_min, m_blocks, n_iters, seqlen_q,
+        self, mLSE, mDelta, sStats, batch, kv_head, group, m_block_min, m_blocks, rotation, n_iters, seqlen_q,
     ):
         """One warp: per query tile `it`, once the consumers have read what
         stage it % stages held before, lse * log2 e (+inf for rows that see no
@@ -128,7 +134,7 @@ class ProducerWarps:
         M, st = self.m_block, self.stages
         lane = cute.arch.lane_idx()
         for it in cutlass.range(n_iters, unroll=1):
-            head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic)
+            head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic, rotation)
             stage = it % st
             for r in cutlass.range_constexpr(M // WARP_THREADS):
                 row = r * WARP_THREADS + lane
@@ -151,7 +157,7 @@ class ProducerWarps:
     def _produce(
         self, tma_Q, tma_K, tma_V, tma_dO, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
         sQ, sK, sV, sdO, pipe, kv_bar, bytes_KV,
-        n_block, kv_head, batch, group, m_block_min, m_blocks, n_iters,
+        n_block, kv_head, batch, group, m_block_min, m_blocks, rotation, n_iters,
     ):
         D, Dv, M, N = self.head_dim, self.head_dim_v, self.m_block, self.n_block
         if n_iters > 0:
@@ -170,7 +176,7 @@ class ProducerWarps:
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         for it in cutlass.range(n_iters, unroll=1):
-            head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic)
+            head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic, rotation)
             gQ = cute.local_tile(tma_Q[None, None, head, batch], (M, D), (None, 0))
             gdO = cute.local_tile(tma_dO[None, None, head, batch], (M, Dv), (None, 0))
             tQsQ, tQgQ = cpasync.tma_partition(

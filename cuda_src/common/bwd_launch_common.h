@@ -53,6 +53,8 @@ struct BwdLaunchArgs {
   Bounds q_bounds;
   float scale, softcap;
   int32_t key_lo, key_hi;
+  // 0, or nonzero for a deterministic backward: the sm80 kernels read a
+  // flag, the sm90 ones how many CTAs may wait on each other (launch.cc).
   int32_t deterministic;
 };
 

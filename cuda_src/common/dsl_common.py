@@ -250,19 +250,62 @@ def first_kv_block_seeing(m_block, m_rows: cutlass.Constexpr, n_rows: cutlass.Co
 
 
 @cute.jit
-def query_tile_of(it, kv_head, group, m_block_min, m_blocks, deterministic):
+def query_tile_of(it, kv_head, group, m_block_min, m_blocks, deterministic, rotation=None):
     """(query head, query tile) of iteration `it` of a backward CTA that walks
     `group` query heads x `m_blocks` query tiles from m_block_min.
 
     By default heads are outermost and tiles ascend. The deterministic order
-    takes tiles last to first with the heads innermost: a CTA then reaches
-    each (head, tile) at the same iteration as the CTA of the KV tile before
-    it, or later (the last tile a CTA visits never decreases from one KV
-    tile to the next), so waiting for its turn costs little; in the default
-    order a causal mask would chain the CTAs one after another."""
+    takes tiles last to first with the heads innermost: under a mask that
+    hides the last keys from the first queries, a CTA then reaches each
+    (head, tile) at the same iteration as the CTA of the KV tile before it,
+    or later (the last tile a CTA visits never decreases from one KV tile to
+    the next), so waiting for its turn costs little; in the default order a
+    causal mask would chain the CTAs one after another. Without a mask every
+    CTA would reach each tile at the same iteration, and the turns would
+    chain them again: there each CTA starts `rotation` tiles further on
+    (rotated_turn says whose turn it is)."""
     head = kv_head * group + it // m_blocks
     m_block = m_block_min + it % m_blocks
     if deterministic != 0:
         head = kv_head * group + it % group
-        m_block = m_block_min + m_blocks - 1 - it // group
+        step = it // group
+        if cutlass.const_expr(rotation is not None):
+            step = (step + rotation) % m_blocks
+        m_block = m_block_min + m_blocks - 1 - step
     return head, m_block
+
+
+@cute.jit
+def rotated_order(n_block, m_blocks, kv_len, n_rows: cutlass.Constexpr, key_lo, key_hi, seqlen_q, seqlen_k,
+                  resident_ctas):
+    """(rotation, kv_blocks) for query_tile_of and rotated_turn in a
+    deterministic backward CTA (n_rows keys) that walks m_blocks query tiles,
+    or (0, 0) for the unrotated order. Rotated, a CTA waits on the turns of
+    CTAs launched after it, so it is used only without a mask (every CTA with
+    work walks all the query tiles) and where those CTAs number at most
+    resident_ctas, which the launcher picks to fit on the GPU at once."""
+    rotation, kv_blocks = Int32(0), Int32(0)
+    visible = (kv_len + n_rows - 1) // n_rows
+    if key_hi >= seqlen_k - 1 and key_lo <= 1 - seqlen_q and m_blocks > 0 and visible <= resident_ctas:
+        rotation, kv_blocks = n_block % m_blocks, visible
+    return rotation, kv_blocks
+
+
+@cute.jit
+def rotated_turn(n_block, tile, kv_blocks, m_blocks):
+    """How many CTAs add to query tile `tile` (counted from 0) before the CTA
+    of KV tile n_block, when each of kv_blocks CTAs walks all m_blocks tiles
+    in the deterministic order with rotation n_block % m_blocks: in order of
+    the iteration at which they reach the tile, then of n_block. (With no
+    more KV tiles than query tiles, no two CTAs reach a tile at the same
+    iteration, so in step they never wait.)"""
+    back = m_blocks - 1 - tile  # the tile's place in the unrotated walk
+    step = (back - n_block % m_blocks + m_blocks) % m_blocks  # when this CTA reaches it
+    laps, rest = kv_blocks // m_blocks, kv_blocks % m_blocks
+    # The CTAs reaching it at an earlier step t start at back - t (mod
+    # m_blocks): `laps` CTAs per start, one more for the starts below `rest`.
+    first = back - step + 1
+    earlier = cutlass.max(0, cutlass.min(back + 1, rest) - cutlass.max(first, 0))
+    if first < 0:
+        earlier += cutlass.max(0, rest - (m_blocks + first))
+    return step * laps + earlier + n_block // m_blocks

@@ -45,24 +45,29 @@ inline void RecordLoadError(cudaError_t err) {
   if (err != cudaSuccess && g_module_load_error == cudaSuccess) g_module_load_error = err;
 }
 
-// Compute capability never changes for a device, so each process asks once
-// per device; later launches read a relaxed atomic instead of calling the
+// A device's attributes never change, so each process asks once per device
+// and attribute; later launches read a relaxed atomic instead of calling the
 // runtime. Devices past kMaxCachedDevices are simply asked every time.
 constexpr int kMaxCachedDevices = 64;
 
-inline cudaError_t ComputeCapabilityMajor(int device, int* major) {
+template <cudaDeviceAttr kAttribute>
+inline cudaError_t CachedDeviceAttribute(int device, int* value) {
   static std::atomic<int> cache[kMaxCachedDevices];  // 0: not asked yet
   const bool cacheable = device >= 0 && device < kMaxCachedDevices;
   if (cacheable) {
     const int cached = cache[device].load(std::memory_order_relaxed);
     if (cached != 0) {
-      *major = cached;
+      *value = cached;
       return cudaSuccess;
     }
   }
-  cudaError_t e = cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, device);
-  if (e == cudaSuccess && cacheable) cache[device].store(*major, std::memory_order_relaxed);
+  cudaError_t e = cudaDeviceGetAttribute(value, kAttribute, device);
+  if (e == cudaSuccess && cacheable) cache[device].store(*value, std::memory_order_relaxed);
   return e;
+}
+
+inline cudaError_t ComputeCapabilityMajor(int device, int* major) {
+  return CachedDeviceAttribute<cudaDevAttrComputeCapabilityMajor>(device, major);
 }
 
 // One exported variant: its module is loaded on first use, once per process,
