@@ -34,7 +34,12 @@ class TileConfig:
     # / without in one process (results run 43), seq 2k / 8k / 16k: hd192
     # 272 / 300-340 / 202-207 against 259 / 332 / 345 TFLOPS, hd256 263-268
     # / 343-345 / 181-191 against 260 / 324 / 339. Why it collapses at long
-    # sequences is not understood; off at those head dims.
+    # sequences is not understood; off at those head dims. Again with the
+    # rotated order without a mask (results runs 55-56, deterministic over
+    # default, non-causal seq 1k / 2k / 4k): hd192 0.89 / 0.90 / 0.87
+    # against 0.86 / 0.86 / 0.86 without, hd256 0.89 / 0.86 / 0.91 against
+    # 0.87 / 0.85 / 0.89, but hd192 causal seq 16k collapsed again (205
+    # against 352 TFLOPS): still off.
     det_stats_warp: bool = True
 
     def __post_init__(self):
