@@ -282,21 +282,16 @@ class FlashBwdSm90(ProducerWarps):
         store_dk = row_store_tile(self.dtype, D, NUM_MMA_THREADS)
 
         n_blocks, kv_heads = cute.ceil_div(mK.shape[1], N), mK.shape[2]
+        # The deterministic variant launches the KV tiles of a head last to
+        # first (kernel()), one head after another. Under a causal mask its
+        # turns once went from the first KV tile that sees a query tile up,
+        # walking the tiles last to first, where launching heads first
+        # helped (H100, seq 8192, deterministic over default: hd192 0.64
+        # against 0.58, run 26); with turns from the last KV tile down,
+        # heads first collapsed (run 58, seq 4096: hd192 158 against 303
+        # TFLOPS) and KV tiles first runs 0.86-0.99 at every head dim (run
+        # 59).
         grid = (n_blocks, kv_heads, mK.shape[0])
-        if cutlass.const_expr(self.deterministic):
-            # Masks that hide the last keys from the first query rows
-            # (causal-like) launch the CTAs heads first, as kernel() reads
-            # them: fewer KV tiles of one head in flight wait on each
-            # other's dQ turns. H100, seq 8192, causal, deterministic over
-            # default backward: hd64 0.94, hd128 1.00, hd192 0.64, hd256
-            # 0.78 against 0.78, 0.89, 0.58, 0.63 KV tiles first (run 26);
-            # heads first lost without a mask (run 25: hd128 0.89 vs 0.95).
-            # Causal turns from the diagonal KV tile down (launched last to
-            # first): hd128 286, hd192 144 TFLOPS against 446-450, 327-333
-            # (run 37, not kept).
-            heads_first = key_hi < mK.shape[1] - 1
-            grid = (Int32(cutlass.select_(heads_first, kv_heads, n_blocks)),
-                    Int32(cutlass.select_(heads_first, n_blocks, kv_heads)), mK.shape[0])
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_dQ, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
             tma_atom_dQ, mLSE, mDelta, mQLens, mKVLens, mdQ, mdK, mdV, mDqSem,
@@ -337,8 +332,10 @@ class FlashBwdSm90(ProducerWarps):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_block, kv_head, batch = cute.arch.block_idx()
         if cutlass.const_expr(self.deterministic):
-            if hi < mdK.shape[1] - 1:  # __call__ says why
-                kv_head, n_block, batch = cute.arch.block_idx()
+            # Last KV tile first: the turns at a query tile go from the last
+            # KV tile that sees it down (query_tile_of), so a CTA waits only
+            # on CTAs launched before it (or, rotated, on all of its head's).
+            n_block = cute.ceil_div(mdK.shape[1], self.n_block) - 1 - n_block
         seqlen_q = mdQ.shape[1]
         seqlen_k = mdK.shape[1]
         group = mdQ.shape[2] // mdK.shape[2]
@@ -429,7 +426,7 @@ class FlashBwdSm90(ProducerWarps):
                 )
             if warp_idx >= DQ_WARP and warp_idx < DQ_WARP + self.dq_writers:
                 self._write_dq(
-                    tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, lo, n_block, kv_head, batch, group,
+                    tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, hi, q_len, kv_len, n_block, kv_head, batch, group,
                     m_block_min, m_blocks, rotation, rotated_kv_blocks, n_iters, warp_idx - DQ_WARP,
                 )
         else:

@@ -11,7 +11,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from transposed_scores import lse_to_log2
 from common.dsl_common import (
-    first_kv_block_seeing, query_tile_of, release_add_s32, rotated_turn, wait_at_least,
+    last_kv_block_seeing, query_tile_of, release_add_s32, rotated_turn, wait_at_least,
 )
 
 WG_THREADS = 128
@@ -74,7 +74,7 @@ class ProducerWarps:
 
     @cute.jit
     def _write_dq(
-        self, tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, lo, n_block, kv_head, batch, group,
+        self, tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, hi, q_len, kv_len, n_block, kv_head, batch, group,
         m_block_min, m_blocks, rotation, rotated_kv_blocks, n_iters, writer,
     ):
         """One warp: per query tile of this writer (see DQ_WARP), wait for
@@ -108,7 +108,7 @@ class ProducerWarps:
                         tile = m_block - m_block_min
                         wait_at_least(turn, rotated_turn(n_block, tile, rotated_kv_blocks, m_blocks))
                     else:
-                        wait_at_least(turn, n_block - first_kv_block_seeing(m_block, M, N, lo))
+                        wait_at_least(turn, last_kv_block_seeing(m_block, M, N, hi, q_len, kv_len) - n_block)
                 cute.arch.sync_warp()
             cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, m_block])
             cute.arch.cp_async_bulk_commit_group()

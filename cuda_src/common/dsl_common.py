@@ -254,24 +254,24 @@ def query_tile_of(it, kv_head, group, m_block_min, m_blocks, deterministic, rota
     """(query head, query tile) of iteration `it` of a backward CTA that walks
     `group` query heads x `m_blocks` query tiles from m_block_min.
 
-    By default heads are outermost and tiles ascend. The deterministic order
-    takes tiles last to first with the heads innermost: under a mask that
-    hides the last keys from the first queries, a CTA then reaches each
-    (head, tile) at the same iteration as the CTA of the KV tile before it,
-    or later (the last tile a CTA visits never decreases from one KV tile to
-    the next), so waiting for its turn costs little; in the default order a
-    causal mask would chain the CTAs one after another. Without a mask every
-    CTA would reach each tile at the same iteration, and the turns would
-    chain them again: there each CTA starts `rotation` tiles further on
-    (rotated_turn says whose turn it is)."""
+    By default heads are outermost and tiles ascend. The deterministic orders
+    take the heads innermost. Without `rotation` (the sm80 family) tiles go
+    last to first: under a mask that hides the last keys from the first
+    queries, a CTA then reaches each (head, tile) at the same iteration as
+    the CTA of the KV tile before it, whose turn comes first, or later (the
+    last tile a CTA visits never decreases from one KV tile to the next).
+    With it (sm90) tiles ascend from the `rotation`-th, wrapping around: the
+    CTA of the last KV tile that sees a query tile reaches it first
+    (last_kv_block_seeing), and without a mask each CTA starts from its own
+    tile (rotated_order), so that no two CTAs reach a tile together."""
     head = kv_head * group + it // m_blocks
     m_block = m_block_min + it % m_blocks
     if deterministic != 0:
         head = kv_head * group + it % group
-        step = it // group
-        if cutlass.const_expr(rotation is not None):
-            step = (step + rotation) % m_blocks
-        m_block = m_block_min + m_blocks - 1 - step
+        if cutlass.const_expr(rotation is None):
+            m_block = m_block_min + m_blocks - 1 - it // group
+        else:
+            m_block = m_block_min + (it // group + rotation) % m_blocks
     return head, m_block
 
 
@@ -299,13 +299,22 @@ def rotated_turn(n_block, tile, kv_blocks, m_blocks):
     the iteration at which they reach the tile, then of n_block. (With no
     more KV tiles than query tiles, no two CTAs reach a tile at the same
     iteration, so in step they never wait.)"""
-    back = m_blocks - 1 - tile  # the tile's place in the unrotated walk
-    step = (back - n_block % m_blocks + m_blocks) % m_blocks  # when this CTA reaches it
+    step = (tile - n_block % m_blocks + m_blocks) % m_blocks  # when this CTA reaches it
     laps, rest = kv_blocks // m_blocks, kv_blocks % m_blocks
-    # The CTAs reaching it at an earlier step t start at back - t (mod
+    # The CTAs reaching it at an earlier step t start at tile - t (mod
     # m_blocks): `laps` CTAs per start, one more for the starts below `rest`.
-    first = back - step + 1
-    earlier = cutlass.max(0, cutlass.min(back + 1, rest) - cutlass.max(first, 0))
+    first = tile - step + 1
+    earlier = cutlass.max(0, cutlass.min(tile + 1, rest) - cutlass.max(first, 0))
     if first < 0:
         earlier += cutlass.max(0, rest - (m_blocks + first))
     return step * laps + earlier + n_block // m_blocks
+
+
+@cute.jit
+def last_kv_block_seeing(m_block, m_rows: cutlass.Constexpr, n_rows: cutlass.Constexpr, key_hi, q_len, kv_len):
+    """The last KV tile (n_rows keys) whose backward CTA visits query tile
+    m_block (m_rows rows) when visible pairs satisfy j - i <= key_hi, i <
+    q_len and j < kv_len; only asked by a CTA that visits the tile, so the
+    quotient is of a nonnegative number."""
+    rows_end = cutlass.min(q_len, (m_block + 1) * m_rows)
+    return cutlass.min((kv_len - 1) // n_rows, (rows_end + key_hi - 1) // n_rows)
