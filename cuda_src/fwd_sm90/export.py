@@ -7,14 +7,16 @@ variant (TILE_CONFIG in tile_config.py; named ..._hd<head_dim> or, where V
 is narrower, ..._hd<head_dim>v<head_dim_v>), plain
 (jf_fwd90_*), packed-document (jf_fwdseg90_*, has_segments=True, compiled
 from FlashFwdSm90.call_with_segments, which takes the three segment tensors
-after the stream) and short-sequence (jf_fwdshort90_*, the head dims of
-SHORT_TILE in tile_config.py), and
+after the stream), short-sequence (jf_fwdshort90_*, the head dims of
+SHORT_TILE in tile_config.py) and K / V multicast in 2-CTA clusters
+(jf_fwdpair90_*, the head dims of KV_MULTICAST), and
 DIR/fwd_sm90_variants_sm_90a.h, which includes them all and defines
 
     JF_FWD_SM90_VARIANTS_SM_90A(X)        ->  X(arch, JfDtype, head_dim, head_dim_v, prefix) ...
     JF_FWD_SM90_SEG_VARIANTS_SM_90A(X)    ->  the same for the segment variants
     JF_FWD_SM90_SHORT_VARIANTS_SM_90A(X)  ->  X(arch, JfDtype, head_dim, prefix,
                                               max_seqlen_q_causal, max_seqlen_q) ...
+    JF_FWD_SM90_PAIR_VARIANTS_SM_90A(X)   ->  X(arch, JfDtype, head_dim, head_dim_v, prefix) ...
 
 for launch.cc. The tensor and scalar signature is the sm80 kernel's, so the
 generated wrappers take the same descriptors. `--only` and the kernel flags
@@ -35,7 +37,7 @@ from common.export_common import (  # noqa: E402
     export_variants,
     write_variants_header,
 )
-from tile_config import SHORT_TILE, TILE_CONFIG  # noqa: E402
+from tile_config import KV_MULTICAST, SHORT_TILE, TILE_CONFIG  # noqa: E402
 
 ARCHES = ("sm_90a",)
 DTYPES = (("fp16", "JF_FLOAT16", "Float16"), ("bf16", "JF_BFLOAT16", "BFloat16"))
@@ -63,6 +65,8 @@ def _parse_args():
     parser.add_argument("--stages", type=int, default=None)
     parser.add_argument("--consumers", type=int, default=None, help="consumer warpgroups (64 rows each)")
     parser.add_argument("--ctas-per-sm", type=int, default=None)
+    parser.add_argument("--no-kv-multicast", action="store_true",
+                        help="export the pair variants without clusters (the plain kernel)")
     args = parser.parse_args()
     # The DSL picks its target when cutlass is first imported; on a machine
     # without a GPU it would otherwise default to sm_100a.
@@ -71,8 +75,8 @@ def _parse_args():
 
 
 def variant_name(arch: str, dtype_tag: str, head_dim: int, head_dim_v: int, has_segments: bool,
-                 short: bool = False) -> str:
-    family = "fwdshort90" if short else "fwdseg90" if has_segments else "fwd90"
+                 short: bool = False, pair: bool = False) -> str:
+    family = "fwdshort90" if short else "fwdpair90" if pair else "fwdseg90" if has_segments else "fwd90"
     value = "" if head_dim_v == head_dim else f"v{head_dim_v}"
     return f"jf_{family}_{arch}_{dtype_tag}_hd{head_dim}{value}"
 
@@ -101,7 +105,7 @@ def main():
     import cutlass.cute as cute
     from kernel import FlashFwdSm90
 
-    def compile_fn(dtype, head_dim, head_dim_v, has_segments, short=None):
+    def compile_fn(dtype, head_dim, head_dim_v, has_segments, short=None, pair=False):
         kernel = FlashFwdSm90(
             dtype, head_dim, head_dim_v,
             conditional_rescale=not args.no_conditional_rescale,
@@ -111,6 +115,7 @@ def main():
             has_segments=has_segments,
             consumers=args.consumers or (short and short.consumers),
             ctas_per_sm=args.ctas_per_sm or (short.ctas_per_sm if short else 1),
+            kv_multicast=pair and not args.no_kv_multicast,
         )
         entry = kernel.call_with_segments if has_segments else kernel
         return lambda: cute.compile(entry, *_fake_args(dtype, head_dim, head_dim_v, has_segments))
@@ -139,6 +144,16 @@ def main():
             short_built.append(f"{args.arch}, {enum_name}, {head_dim}, {name}, "
                                f"{short.max_seqlen_q_causal}, {short.max_seqlen_q}")
 
+    pair_built = []
+    for dtype_tag, enum_name, cutlass_name in DTYPES:
+        for head_dim, head_dim_v in sorted(KV_MULTICAST):
+            name = variant_name(args.arch, dtype_tag, head_dim, head_dim_v, False, pair=True)
+            if only is not None and name not in only:
+                continue
+            variants.append((name, compile_fn(getattr(cutlass, cutlass_name), head_dim, head_dim_v,
+                                              False, pair=True)))
+            pair_built.append(f"{args.arch}, {enum_name}, {head_dim}, {head_dim_v}, {name}")
+
     names = export_variants(args.out, variants)
     arch_macro = args.arch.upper()
     write_variants_header(
@@ -153,6 +168,9 @@ def main():
         ] + [
             (f"X(arch, JfDtype, head_dim, prefix, max_seqlen_q_causal, max_seqlen_q) for every exported "
              f"{args.arch} short-sequence variant.", f"JF_FWD_SM90_SHORT_VARIANTS_{arch_macro}", short_built),
+            (f"X(arch, JfDtype, head_dim, head_dim_v, prefix) for every exported {args.arch} variant "
+             "that multicasts K / V in 2-CTA clusters (no window, no segments).",
+             f"JF_FWD_SM90_PAIR_VARIANTS_{arch_macro}", pair_built),
         ],
     )
 

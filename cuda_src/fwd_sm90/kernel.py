@@ -81,6 +81,7 @@ class FlashFwdSm90:
         has_segments: bool = False,
         consumers: int = None,
         ctas_per_sm: int = 1,
+        kv_multicast: bool = False,
     ):
         head_dim_v = head_dim_v or head_dim
         if not self.can_implement(dtype, head_dim, head_dim_v):
@@ -103,6 +104,13 @@ class FlashFwdSm90:
         # More than one CTA per SM splits the registers and shared memory,
         # and lets one CTA's prologue and epilogue overlap another's GEMMs.
         self.ctas_per_sm = ctas_per_sm
+        # Two CTAs of neighbouring query tiles form a cluster and each loads
+        # half of every K / V tile into both (TMA multicast), which halves
+        # the K / V traffic out of L2. Both must walk the same KV tiles, so
+        # the launcher runs this variant only without a window or segments.
+        if kv_multicast and has_segments:
+            raise ValueError("FlashFwdSm90: kv_multicast needs has_segments=False")
+        self.cluster_size = 2 if kv_multicast else 1
         self.tile_m = WG_ROWS * self.consumers
         self.bar_epilogue = BAR_PINGPONG + self.consumers
         elem = dtype.width // 8
@@ -209,9 +217,14 @@ class FlashFwdSm90:
         sV_stage = cute.slice_(sV_layout, (None, None, 0))
         sO_stage = cute.slice_(sO_layout, (None, None, 0))
         g2s = cpasync.CopyBulkTensorTileG2SOp()
+        g2s_kv = g2s if cutlass.const_expr(self.cluster_size == 1) else cpasync.CopyBulkTensorTileG2SMulticastOp()
         tma_q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQt, sQ_stage, (WG_ROWS, hd))
-        tma_k, mK_tma = cpasync.make_tiled_tma_atom(g2s, mKt, sK_stage, (tile_n, hd))
-        tma_v, mV_tma = cpasync.make_tiled_tma_atom(g2s, mVt, sV_stage, (hd_v, tile_n))
+        tma_k, mK_tma = cpasync.make_tiled_tma_atom(
+            g2s_kv, mKt, sK_stage, (tile_n, hd), num_multicast=self.cluster_size
+        )
+        tma_v, mV_tma = cpasync.make_tiled_tma_atom(
+            g2s_kv, mVt, sV_stage, (hd_v, tile_n), num_multicast=self.cluster_size
+        )
         tma_o, mO_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mOt, sO_stage, (WG_ROWS, hd_v)
         )
@@ -235,7 +248,7 @@ class FlashFwdSm90:
         self.k_bytes = cute.size_in_bytes(self.dtype, sK_stage)
         self.v_bytes = cute.size_in_bytes(self.dtype, sV_stage)
         grid = (
-            cute.ceil_div(mQ.shape[1], self.tile_m),
+            cute.round_up(cute.ceil_div(mQ.shape[1], self.tile_m), self.cluster_size),
             cute.size(mQ.shape[2]),
             cute.size(mQ.shape[0]),
         )
@@ -250,6 +263,7 @@ class FlashFwdSm90:
             grid=grid,
             block=[WG_THREADS * (1 + self.consumers), 1, 1],
             stream=stream,
+            cluster=[self.cluster_size, 1, 1] if self.cluster_size > 1 else None,
             min_blocks_per_mp=self.ctas_per_sm,
             # All of the unified L1 as shared memory; also spares the DSL a
             # device query for it (there is no GPU where this compiles).
@@ -295,28 +309,33 @@ class FlashFwdSm90:
         seqlen_k = mK.shape[0]
         # Largest query tiles first: under a causal mask they carry the most
         # KV tiles, and starting them early shortens the tail of the grid.
-        m_block = cute.ceil_div(seqlen_q, self.tile_m) - 1 - m_block_rev
+        # (A cluster's grid is rounded up: its last CTA may lie past seqlen_q.)
+        m_blocks = cute.round_up(cute.ceil_div(seqlen_q, self.tile_m), self.cluster_size)
+        m_block = m_blocks - 1 - m_block_rev
         head_kv = head_q // (mQ.shape[2] // mK.shape[2])
         m_start = m_block * self.tile_m
         q_len = cutlass.max(cutlass.min(mQLens[batch], seqlen_q), 0)
         kv_len = cutlass.max(cutlass.min(mKVLens[batch], seqlen_k), 0)
 
-        # ---- KV tile range of the whole CTA ---------------------------------
-        last_row = cutlass.min(m_start + self.tile_m, q_len) - 1
+        # ---- KV tile range of the whole CTA (of the cluster) -----------------
+        # The CTAs of a cluster walk the same KV tiles: the range of all their
+        # rows (the same for each row without a window).
+        first_row = m_start - m_block % self.cluster_size * self.tile_m
+        last_row = cutlass.min(first_row + self.cluster_size * self.tile_m, q_len) - 1
         col_begin = cutlass.Int32(0)
         if window_left >= 0:
-            col_begin = cutlass.max(m_start + diag_offset - window_left, 0)
+            col_begin = cutlass.max(first_row + diag_offset - window_left, 0)
         col_end = kv_len
         if window_right >= 0:
             col_end = cutlass.min(last_row + diag_offset + window_right + 1, kv_len)
         if cutlass.const_expr(self.has_segments):
-            seg_begin, seg_end = warp_bounds_union(mKVBounds, batch, m_start, last_row, self.tile_m)
+            seg_begin, seg_end = warp_bounds_union(mKVBounds, batch, first_row, last_row, self.tile_m)
             col_begin = cutlass.max(col_begin, seg_begin)
             col_end = cutlass.min(col_end, seg_end)
         n_block_min = col_begin // tile_n
         n_block_max = cute.ceil_div(cutlass.max(col_end, 0), tile_n)
         num_n_blocks = cutlass.Int32(0)
-        if last_row >= m_start:
+        if last_row >= first_row:
             num_n_blocks = cutlass.max(n_block_max - n_block_min, 0)
 
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
@@ -326,8 +345,14 @@ class FlashFwdSm90:
         sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        # Consumers release a stage with one arrive per warp.
+        # Consumers release a stage with one arrive per warp, and a K / V
+        # stage with one per warp of every CTA of the cluster (each CTA's
+        # producer writes into all of them).
         consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.consumers)
+        kv_consumer_group = pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, 4 * self.consumers * self.cluster_size
+        )
+        cluster_layout = cute.make_layout((1, self.cluster_size, 1, 1))
         pipe_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
             producer_group=producer_group, consumer_group=consumer_group,
@@ -335,16 +360,22 @@ class FlashFwdSm90:
         )
         pipe_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.kv_stages,
-            producer_group=producer_group, consumer_group=consumer_group,
-            tx_count=self.k_bytes, defer_sync=True,
+            producer_group=producer_group, consumer_group=kv_consumer_group,
+            tx_count=self.k_bytes, cta_layout_vmnk=cluster_layout, defer_sync=True,
         )
         pipe_v = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.kv_stages,
-            producer_group=producer_group, consumer_group=consumer_group,
-            tx_count=self.v_bytes, defer_sync=True,
+            producer_group=producer_group, consumer_group=kv_consumer_group,
+            tx_count=self.v_bytes, cta_layout_vmnk=cluster_layout, defer_sync=True,
         )
         cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        if cutlass.const_expr(self.cluster_size > 1):
+            # The peer arrives on and writes into this CTA's barriers and
+            # buffers: both must be initialised first.
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -364,6 +395,10 @@ class FlashFwdSm90:
                 head_q, batch, m_block, q_len, kv_len, n_block_min, n_block_max,
                 num_n_blocks, mQSeg, mKVSeg,
             )
+        if cutlass.const_expr(self.cluster_size > 1):
+            # No CTA may exit while its peer can still arrive on its barriers.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     # ------------------------------------------------------------------------
     @cute.jit
@@ -380,11 +415,17 @@ class FlashFwdSm90:
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )
+        # With a cluster each CTA loads its slice of every K / V tile into
+        # the buffers of all CTAs of the cluster.
+        cluster = cute.make_layout(self.cluster_size)
+        rank = 0
+        if cutlass.const_expr(self.cluster_size > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         tKsK, tKgK = cpasync.tma_partition(
-            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+            tma_k, rank, cluster, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
         )
         tVsV, tVgV = cpasync.tma_partition(
-            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+            tma_v, rank, cluster, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
         if num_n_blocks > 0:
             kv_state = pipeline.make_pipeline_state(
@@ -394,25 +435,30 @@ class FlashFwdSm90:
             # K first so that the first S = Q K^T can start as soon as Q lands.
             n_block = n_block_max - 1
             pipe_k.producer_acquire(kv_state)
-            cute.copy(tma_k, tKgK[None, n_block], tKsK[None, kv_state.index],
-                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+            self._load_kv(tma_k, tKgK[None, n_block], tKsK[None, kv_state.index], pipe_k.producer_get_barrier(kv_state))
             pipe_q.producer_acquire(q_state)
             for w in cutlass.range_constexpr(self.consumers):
                 cute.copy(tma_q, tQgQ[None, m_block * self.consumers + w], tQsQ[None, w],
                           tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             pipe_v.producer_acquire(kv_state)
-            cute.copy(tma_v, tVgV[None, n_block], tVsV[None, kv_state.index],
-                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+            self._load_kv(tma_v, tVgV[None, n_block], tVsV[None, kv_state.index], pipe_v.producer_get_barrier(kv_state))
             kv_state.advance()
             for i in cutlass.range(1, num_n_blocks, unroll=1):
                 n_block = n_block_max - 1 - i
                 pipe_k.producer_acquire(kv_state)
-                cute.copy(tma_k, tKgK[None, n_block], tKsK[None, kv_state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                self._load_kv(tma_k, tKgK[None, n_block], tKsK[None, kv_state.index], pipe_k.producer_get_barrier(kv_state))
                 pipe_v.producer_acquire(kv_state)
-                cute.copy(tma_v, tVgV[None, n_block], tVsV[None, kv_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                self._load_kv(tma_v, tVgV[None, n_block], tVsV[None, kv_state.index], pipe_v.producer_get_barrier(kv_state))
                 kv_state.advance()
+
+    @cute.jit
+    def _load_kv(self, tma, src, dst, barrier):
+        """One K or V tile (this CTA's slice of it, into every CTA of the
+        cluster)."""
+        if cutlass.const_expr(self.cluster_size > 1):
+            cute.copy(tma, src, dst, tma_bar_ptr=barrier, mcast_mask=cutlass.Int16((1 << self.cluster_size) - 1))
+        else:
+            cute.copy(tma, src, dst, tma_bar_ptr=barrier)
 
     # ------------------------------------------------------------------------
     @cute.jit

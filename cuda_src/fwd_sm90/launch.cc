@@ -55,6 +55,7 @@ using jax_flash_launch::Prod;
 JF_FWD_SM90_VARIANTS_SM_90A(JF_DEFINE_FWD90_VARIANT)
 JF_FWD_SM90_SEG_VARIANTS_SM_90A(JF_DEFINE_FWD90_SEG_VARIANT)
 JF_FWD_SM90_SHORT_VARIANTS_SM_90A(JF_DEFINE_FWD_SHORT_VARIANT)
+JF_FWD_SM90_PAIR_VARIANTS_SM_90A(JF_DEFINE_FWD90_VARIANT)
 #undef JF_DEFINE_FWD_SHORT_VARIANT
 #undef JF_DEFINE_FWD90_SEG_VARIANT
 #undef JF_DEFINE_FWD90_VARIANT
@@ -62,10 +63,15 @@ JF_FWD_SM90_SHORT_VARIANTS_SM_90A(JF_DEFINE_FWD_SHORT_VARIANT)
 
 using LaunchFn = int (*)(const JfFwdArgs&, cudaStream_t, char*, size_t);
 
-// has_segments other than 0 or 1 finds no kernel.
-LaunchFn FindVariant(JfDtype dtype, int head_dim, int head_dim_v, int has_segments) {
+// has_segments other than 0 or 1 finds no kernel; a problem without a window
+// (and segments) takes the K / V multicast variant where one exists.
+LaunchFn FindVariant(JfDtype dtype, int head_dim, int head_dim_v, int has_segments,
+                     bool unbounded) {
 #define JF_MATCH_VARIANT(arch_tag, dtype_enum, hd, hd_v, prefix) \
   if (dtype == dtype_enum && head_dim == hd && head_dim_v == hd_v) return Launch_##prefix;
+  if (has_segments == 0 && unbounded) {
+    JF_FWD_SM90_PAIR_VARIANTS_SM_90A(JF_MATCH_VARIANT)
+  }
   if (has_segments == 0) {
     JF_FWD_SM90_VARIANTS_SM_90A(JF_MATCH_VARIANT)
   } else if (has_segments == 1) {
@@ -89,7 +95,8 @@ LaunchFn FindVariant(const JfProblem& p) {
     JF_FWD_SM90_SHORT_VARIANTS_SM_90A(JF_MATCH_SHORT_VARIANT)
 #undef JF_MATCH_SHORT_VARIANT
   }
-  return FindVariant(p.dtype, p.head_dim, p.head_dim_v, p.has_segments);
+  const bool unbounded = p.window_left < 0 && p.window_right < 0;
+  return FindVariant(p.dtype, p.head_dim, p.head_dim_v, p.has_segments, unbounded);
 }
 
 // Shapes the kernels serve. An empty key set is left to the sm80 kernel: a

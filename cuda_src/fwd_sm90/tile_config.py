@@ -42,6 +42,12 @@ TILE_CONFIG = {
     (256, 256): (80, 2, 2),
 }
 
+# (head_dim, head_dim_v) that also get a variant whose CTAs pair up in
+# clusters of two neighbouring query tiles and multicast K / V (kernel.py,
+# kv_multicast), run for masks without a window (non-causal) and without
+# segments.
+KV_MULTICAST = frozenset(TILE_CONFIG)
+
 
 @dataclass(frozen=True)
 class ShortTile:
