@@ -4,7 +4,8 @@ consumers; hd192: the split-head-dim backward with its TMA dQ tile; hd256:
 the same with dQ written over its spent Q / dO stage; 192 / 128: the forward
 with V and O narrower than Q, O staged over part of Q's buffer), each
 backward also in its deterministic variant (dQ turns between CTAs, several
-dQ writer warps)."""
+dQ writer warps), and a long non-causal forward at hd128, whose CTAs pair up
+to multicast K / V (kernel.py kv_multicast)."""
 
 import jax
 import jax.numpy as jnp
@@ -22,4 +23,10 @@ for head_dim, head_dim_v in ((64, 64), (192, 192), (256, 256), (192, 128)):
           q, k, v, causal=causal, deterministic=deterministic, implementation="gpu").astype(jnp.float32))
       grads = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
       jax.block_until_ready(grads)
+keys = jax.random.split(jax.random.key(1), 3)
+q = jax.random.normal(keys[0], (2, 4097, 2, 128), jnp.bfloat16)
+k, v = (jax.random.normal(key, (2, 130, 1, 128), jnp.bfloat16) for key in keys[1:])
+out = jax.jit(lambda q, k, v: jax_flash.attention(
+    q, k, v, query_seq_lengths=jnp.array([4097, 3900], jnp.int32), implementation="gpu"))(q, k, v)
+jax.block_until_ready(out)
 print("sanitizer case done")

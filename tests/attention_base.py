@@ -85,7 +85,7 @@ class AttentionTestBase:
     self.check(dtype=dtype, head_dim=head_dim, causal=causal)
 
   @pytest.mark.parametrize("case", ["full", "causal", "window", "gqa-lengths", "documents",
-                                    "many-keys", "softcap", "decode", "deterministic",
+                                    "many-keys", "many-queries", "softcap", "decode", "deterministic",
                                     "deterministic-full", "deterministic-documents"])
   def test_smaller_value_head_dim(self, dtype, case):
     # DeepSeek's prefill shape, queries and keys 192 wide and values 128, has
@@ -135,7 +135,8 @@ class AttentionTestBase:
     self.check(seq_q=7, seq_k=200, heads_q=6, heads_kv=2, segment_ids=(q_ids, kv_ids),
                q_lens=jnp.array([7, 5], jnp.int32), dtype=self.dtypes[0])
 
-  @pytest.mark.parametrize("case", ["window", "gqa-lengths", "documents", "many-keys"])
+  @pytest.mark.parametrize("case", ["window", "gqa-lengths", "documents", "many-keys",
+                                    "many-queries"])
   def test_masks_at_every_head_dim(self, head_dim, case):
     # Each head dim has kernels of its own (tiles, shared-memory plans, how
     # the warpgroups split the work): every kind of mask runs on each.
@@ -151,8 +152,15 @@ class AttentionTestBase:
     elif case == "documents":
       ids = packed_segment_ids(14, batch=2, seq=300, num_docs=4, padding=9)
       self.check(seq_q=300, seq_k=300, segment_ids=ids, causal=True, **kw)
-    else:
+    elif case == "many-keys":
       self.check(batch=1, seq_q=130, seq_k=1100, heads_q=2, heads_kv=1, **kw)
+    else:
+      # Enough query tiles for the Hopper forward's paired CTAs (odd in
+      # number, so the last pair's second CTA lies past the queries), and a
+      # row length that leaves one CTA of a pair without a visible row.
+      seq_q = self.long_seq
+      self.check(seq_q=seq_q, seq_k=333, q_lens=jnp.array([seq_q, seq_q - 197], jnp.int32),
+                 kv_lens=jnp.array([333, 200], jnp.int32), **kw)
 
   @pytest.mark.parametrize("heads_q,heads_kv", [(8, 8), (8, 4), (8, 2), (8, 1)],
                            ids=["mha", "gqa2", "gqa4", "mqa"])

@@ -16,7 +16,8 @@ DIR/fwd_sm90_variants_sm_90a.h, which includes them all and defines
     JF_FWD_SM90_SEG_VARIANTS_SM_90A(X)    ->  the same for the segment variants
     JF_FWD_SM90_SHORT_VARIANTS_SM_90A(X)  ->  X(arch, JfDtype, head_dim, prefix,
                                               max_seqlen_q_causal, max_seqlen_q) ...
-    JF_FWD_SM90_PAIR_VARIANTS_SM_90A(X)   ->  X(arch, JfDtype, head_dim, head_dim_v, prefix) ...
+    JF_FWD_SM90_PAIR_VARIANTS_SM_90A(X)   ->  X(arch, JfDtype, head_dim, head_dim_v, prefix,
+                                              min_seqlen_q) ...
 
 for launch.cc. The tensor and scalar signature is the sm80 kernel's, so the
 generated wrappers take the same descriptors. `--only` and the kernel flags
@@ -146,13 +147,13 @@ def main():
 
     pair_built = []
     for dtype_tag, enum_name, cutlass_name in DTYPES:
-        for head_dim, head_dim_v in sorted(KV_MULTICAST):
+        for (head_dim, head_dim_v), min_seqlen_q in sorted(KV_MULTICAST.items()):
             name = variant_name(args.arch, dtype_tag, head_dim, head_dim_v, False, pair=True)
             if only is not None and name not in only:
                 continue
             variants.append((name, compile_fn(getattr(cutlass, cutlass_name), head_dim, head_dim_v,
                                               False, pair=True)))
-            pair_built.append(f"{args.arch}, {enum_name}, {head_dim}, {head_dim_v}, {name}")
+            pair_built.append(f"{args.arch}, {enum_name}, {head_dim}, {head_dim_v}, {name}, {min_seqlen_q}")
 
     names = export_variants(args.out, variants)
     arch_macro = args.arch.upper()
@@ -168,8 +169,8 @@ def main():
         ] + [
             (f"X(arch, JfDtype, head_dim, prefix, max_seqlen_q_causal, max_seqlen_q) for every exported "
              f"{args.arch} short-sequence variant.", f"JF_FWD_SM90_SHORT_VARIANTS_{arch_macro}", short_built),
-            (f"X(arch, JfDtype, head_dim, head_dim_v, prefix) for every exported {args.arch} variant "
-             "that multicasts K / V in 2-CTA clusters (no window, no segments).",
+            (f"X(arch, JfDtype, head_dim, head_dim_v, prefix, min_seqlen_q) for every exported "
+             f"{args.arch} variant that multicasts K / V in 2-CTA clusters (no window, no segments).",
              f"JF_FWD_SM90_PAIR_VARIANTS_{arch_macro}", pair_built),
         ],
     )

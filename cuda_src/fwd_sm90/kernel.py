@@ -16,7 +16,9 @@ issuing GEMMs so that one warpgroup's softmax hides under the others' MMAs
 KV tiles are walked from the last visible one down to the first; tiles the
 mask excludes are never loaded, and only tiles that straddle a mask edge pay
 for the per-element mask. Query tiles are launched longest first, which
-shortens the tail of a causal grid.
+shortens the tail of a causal grid. Without a window, neighbouring query
+tiles may pair up in a cluster whose CTAs each load half of every K / V tile
+into both (kv_multicast).
 
 Mask (kernel_api.h): row i sees column j iff i < q_len, j < kv_len,
 j >= i + diag_offset - window_left (window_left >= 0) and

@@ -55,7 +55,10 @@ using jax_flash_launch::Prod;
 JF_FWD_SM90_VARIANTS_SM_90A(JF_DEFINE_FWD90_VARIANT)
 JF_FWD_SM90_SEG_VARIANTS_SM_90A(JF_DEFINE_FWD90_SEG_VARIANT)
 JF_FWD_SM90_SHORT_VARIANTS_SM_90A(JF_DEFINE_FWD_SHORT_VARIANT)
-JF_FWD_SM90_PAIR_VARIANTS_SM_90A(JF_DEFINE_FWD90_VARIANT)
+#define JF_DEFINE_FWD_PAIR_VARIANT(arch_tag, dtype_enum, hd, hd_v, prefix, min_seqlen_q) \
+  JF_DEFINE_FWD_VARIANT(arch_tag, dtype_enum, hd, prefix)
+JF_FWD_SM90_PAIR_VARIANTS_SM_90A(JF_DEFINE_FWD_PAIR_VARIANT)
+#undef JF_DEFINE_FWD_PAIR_VARIANT
 #undef JF_DEFINE_FWD_SHORT_VARIANT
 #undef JF_DEFINE_FWD90_SEG_VARIANT
 #undef JF_DEFINE_FWD90_VARIANT
@@ -63,15 +66,10 @@ JF_FWD_SM90_PAIR_VARIANTS_SM_90A(JF_DEFINE_FWD90_VARIANT)
 
 using LaunchFn = int (*)(const JfFwdArgs&, cudaStream_t, char*, size_t);
 
-// has_segments other than 0 or 1 finds no kernel; a problem without a window
-// (and segments) takes the K / V multicast variant where one exists.
-LaunchFn FindVariant(JfDtype dtype, int head_dim, int head_dim_v, int has_segments,
-                     bool unbounded) {
+// has_segments other than 0 or 1 finds no kernel.
+LaunchFn FindVariant(JfDtype dtype, int head_dim, int head_dim_v, int has_segments) {
 #define JF_MATCH_VARIANT(arch_tag, dtype_enum, hd, hd_v, prefix) \
   if (dtype == dtype_enum && head_dim == hd && head_dim_v == hd_v) return Launch_##prefix;
-  if (has_segments == 0 && unbounded) {
-    JF_FWD_SM90_PAIR_VARIANTS_SM_90A(JF_MATCH_VARIANT)
-  }
   if (has_segments == 0) {
     JF_FWD_SM90_VARIANTS_SM_90A(JF_MATCH_VARIANT)
   } else if (has_segments == 1) {
@@ -83,8 +81,9 @@ LaunchFn FindVariant(JfDtype dtype, int head_dim, int head_dim_v, int has_segmen
 
 // Short sequences have their own tiles at some head dims, up to a length
 // that depends on whether the right edge of the window is bounded (causal-
-// like); SHORT_TILE in tile_config.py says which and why. Every other
-// problem runs the plain or segment variant.
+// like); SHORT_TILE in tile_config.py says which and why. Long ones without
+// a window may pair their CTAs up; every other problem runs the plain or
+// segment variant.
 LaunchFn FindVariant(const JfProblem& p) {
   if (p.has_segments == 0 && p.head_dim == p.head_dim_v) {
     const bool causal_like = p.window_right >= 0;
@@ -95,8 +94,16 @@ LaunchFn FindVariant(const JfProblem& p) {
     JF_FWD_SM90_SHORT_VARIANTS_SM_90A(JF_MATCH_SHORT_VARIANT)
 #undef JF_MATCH_SHORT_VARIANT
   }
-  const bool unbounded = p.window_left < 0 && p.window_right < 0;
-  return FindVariant(p.dtype, p.head_dim, p.head_dim_v, p.has_segments, unbounded);
+  // K / V multicast in 2-CTA clusters (KV_MULTICAST in tile_config.py).
+  if (p.has_segments == 0 && p.window_left < 0 && p.window_right < 0) {
+#define JF_MATCH_PAIR_VARIANT(arch_tag, dtype_enum, hd, hd_v, prefix, min_seqlen_q) \
+  if (p.dtype == dtype_enum && p.head_dim == hd && p.head_dim_v == hd_v &&            \
+      p.seqlen_q >= (min_seqlen_q))                                                    \
+    return Launch_##prefix;
+    JF_FWD_SM90_PAIR_VARIANTS_SM_90A(JF_MATCH_PAIR_VARIANT)
+#undef JF_MATCH_PAIR_VARIANT
+  }
+  return FindVariant(p.dtype, p.head_dim, p.head_dim_v, p.has_segments);
 }
 
 // Shapes the kernels serve. An empty key set is left to the sm80 kernel: a

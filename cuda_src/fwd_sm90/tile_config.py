@@ -42,11 +42,32 @@ TILE_CONFIG = {
     (256, 256): (80, 2, 2),
 }
 
-# (head_dim, head_dim_v) that also get a variant whose CTAs pair up in
-# clusters of two neighbouring query tiles and multicast K / V (kernel.py,
-# kv_multicast), run for masks without a window (non-causal) and without
-# segments.
-KV_MULTICAST = frozenset(TILE_CONFIG)
+# (head_dim, head_dim_v) -> seqlen_q from which the launcher runs, for masks
+# without a window (non-causal) and without segments, a variant whose CTAs
+# pair up in clusters of two neighbouring query tiles and each load half of
+# every K / V tile into both (TMA multicast, kernel.py kv_multicast).
+# H100, bf16, 16 heads, 16k tokens, non-causal forward TFLOPS, two runs each
+# with / without in one process (results run 62), seq 4k / 8k / 16k / 32k:
+#   hd128:   592 582 / 630 605 / 642 618 / 647 639 against 587 597 / 611 611
+#            / 619 611 / 629 627;
+#   hd192:   614 607 / 652 664 / 647 665 / 685 671 against 591 592 / 640 624
+#            / 645 638 / 664 666;
+#   192/128: 658 626 / 673 670 / 684 709 / 698 667 against 647 610 / 657 676
+#            / 647 675 / 664 680;
+#   hd256:   659 644 / 682 693 / 677 698 / 702 699 against 670 633 / 642 648
+#            / 666 680 / 684 691.
+# At 1k it loses (run 61: hd128 473 / 472 against 516, hd192 517 / 501
+# against 541); hd64 gains nothing (run 61, 4k-16k: 463-476 / 457-483
+# against 468-490). Its L2 traffic is not what holds the plain kernel back:
+# Nsight Compute on it (hd128, seq 8192, run 62) reads L2 throughput 53%,
+# the tensor pipe 75% busy, issue slots 36%. hd128 with 160-key tiles and two
+# stages, paired, ran 431 / 556 / 596 / 616 at 1k / 4k / 8k / 16k (run 61).
+KV_MULTICAST = {
+    (128, 128): 4096,
+    (192, 192): 4096,
+    (192, 128): 4096,
+    (256, 256): 4096,
+}
 
 
 @dataclass(frozen=True)
