@@ -50,6 +50,7 @@ from common.dsl_common import (
     wgmma_acc_as_rows_cols,
 )
 from online_softmax import online_softmax, quad_allreduce, rescale_rows
+from score_mask import apply_mask
 from segment_ids import load_tile_ids, warp_bounds_union, warp_tile_segment
 from tile_config import TILE_CONFIG
 
@@ -657,7 +658,7 @@ class FlashFwdSm90:
             tile_id, uniform = tile_seg
             if uniform:
                 if n_block < full_lo or n_block >= full_hi:
-                    self._apply_mask(acc_S_mn, tScS, row_start, n_start, q_len, kv_len,
+                    apply_mask(acc_S_mn, tScS, row_start, n_start, q_len, kv_len,
                                      diag_offset, window_left, window_right)
                 for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                     if row_seg[r] != tile_id:
@@ -665,35 +666,11 @@ class FlashFwdSm90:
                             acc_S_mn[r, c] = -cutlass.Float32.inf
             else:
                 col_seg = load_tile_ids(mKVSeg, batch, n_start, tScS[0, None], self.tile_n)
-                self._apply_mask(acc_S_mn, tScS, row_start, n_start, q_len, kv_len,
+                apply_mask(acc_S_mn, tScS, row_start, n_start, q_len, kv_len,
                                  diag_offset, window_left, window_right, row_seg, col_seg)
         elif n_block < full_lo or n_block >= full_hi:
-            self._apply_mask(acc_S_mn, tScS, row_start, n_start, q_len, kv_len,
+            apply_mask(acc_S_mn, tScS, row_start, n_start, q_len, kv_len,
                              diag_offset, window_left, window_right)
-
-    @cute.jit
-    def _apply_mask(
-        self, acc_S_mn, tScS, row_start, n_start, q_len, kv_len,
-        diag_offset, window_left, window_right, row_seg=None, col_seg=None,
-    ):
-        """Set S to -inf where row i may not see column j (kernel_api.h)."""
-        for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-            row = row_start + tScS[r, 0][0]
-            col_lo = cutlass.Int32(0)
-            if window_left >= 0:
-                col_lo = row + diag_offset - window_left
-            col_hi = kv_len
-            if window_right >= 0:
-                col_hi = cutlass.min(row + diag_offset + window_right + 1, kv_len)
-            if row >= q_len:
-                col_hi = cutlass.Int32(0)
-            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                col = n_start + tScS[0, c][1]
-                if cutlass.const_expr(row_seg is not None):
-                    if col < col_lo or col >= col_hi or row_seg[r] != col_seg[c]:
-                        acc_S_mn[r, c] = -cutlass.Float32.inf
-                elif col < col_lo or col >= col_hi:
-                    acc_S_mn[r, c] = -cutlass.Float32.inf
 
     @cute.jit
     def _epilogue(
