@@ -111,7 +111,7 @@ def main():
             dtype, head_dim, head_dim_v,
             conditional_rescale=not args.no_conditional_rescale,
             pingpong=not args.no_pingpong,
-            tile_n=args.tile_n,
+            tile_n=args.tile_n or (short and short.tile_n),
             kv_stages=args.stages or (short and short.kv_stages),
             has_segments=has_segments,
             consumers=args.consumers or (short and short.consumers),

@@ -60,8 +60,8 @@ WG_ROWS = 64  # rows of one WGMMA accumulator (m64nNk16)
 # setmaxnreg only moves registers inside the CTA's launch allocation (64K
 # registers shared by all threads): with 2 consumer warpgroups 128 * 24 +
 # 256 * 240 == 168 * 384, with 3 128 * 24 + 384 * 160 <= 128 * 512, with
-# one and two CTAs per SM 128 * 24 + 128 * 232 == 128 * 256 (see
-# consumer_registers). Asking for more makes the consumers' increase wait
+# one, two and three CTAs per SM 128 * 24 + 128 * 232 == 128 * 256 and
+# 128 * 24 + 128 * 136 == 80 * 256 (see consumer_registers). Asking for more makes the consumers' increase wait
 # forever.
 PRODUCER_REGS = 24
 SMEM_PER_SM = 228 * 1024  # of which each resident CTA reserves 1 KiB
@@ -127,8 +127,10 @@ class FlashFwdSm90:
             )
 
     def consumer_registers(self) -> int:
-        """The consumers' setmaxnreg share of 64K registers (multiple of 8)."""
-        per_thread = 65536 // self.ctas_per_sm // (WG_THREADS * (1 + self.consumers))
+        """The consumers' setmaxnreg share of 64K registers (multiple of 8).
+        A CTA's launch allocation is a multiple of 8 registers per thread
+        (80, not 85, at three CTAs of two warpgroups per SM)."""
+        per_thread = 65536 // self.ctas_per_sm // (WG_THREADS * (1 + self.consumers)) // 8 * 8
         spare = per_thread * (1 + self.consumers) - PRODUCER_REGS
         return min(240, spare // self.consumers // 8 * 8)
 

@@ -75,6 +75,7 @@ class ShortTile:
     """A variant for short sequences: exported as jf_fwdshort90_*; the
     launcher runs it when seqlen_q is at most max_seqlen_q_causal (right
     edge of the window bounded) or max_seqlen_q (otherwise)."""
+    tile_n: int
     consumers: int
     kv_stages: int
     ctas_per_sm: int
@@ -84,8 +85,8 @@ class ShortTile:
 
 # With few KV tiles per query tile, the CTA's prologue (Q and the first K/V
 # loads) and epilogue (O out through shared memory) take much of its time;
-# one consumer warpgroup (64-row tiles), two stages and two CTAs per SM let
-# one CTA's prologue and epilogue run under the other's GEMMs.
+# one consumer warpgroup (64-row tiles) and several CTAs per SM let one
+# CTA's prologue and epilogue run under the others' GEMMs.
 # H100, bf16, 16 heads, 16k tokens, forward TFLOPS, cuDNN in the same run
 # (results run 30): hd64 causal 1024 259 (0.97x) against 228-229 with two
 # consumers (run 27: 228 against 202-208 with three); causal 2048 332
@@ -107,6 +108,13 @@ class ShortTile:
 # still lost: hd128 8192 596 / 532 against 607-620 / 564-568, hd64 8192
 # 432 / 402 against 474-481 / 422-434, hd128 causal 1024 295 against
 # 355-358. Not kept.
+# Three CTAs per SM (64-key tiles; 80 launch registers per thread, 136 for
+# the consumer), results run 64, seq 1024 / 2048, forward TFLOPS against
+# the two-CTA variant above timed before and after: 3 stages causal 277 /
+# 325 against 256-258 / 312-331, non-causal 1024 360 against 355-363; 2
+# stages 278 / 320 and 344; 96-key tiles, 2 stages (76 bytes spilled) 252
+# / 297 and 335. Shipped at 64 x 3 stages x 3 CTAs.
 SHORT_TILE = {
-    64: ShortTile(consumers=1, kv_stages=2, ctas_per_sm=2, max_seqlen_q_causal=2048, max_seqlen_q=1024),
+    64: ShortTile(tile_n=64, consumers=1, kv_stages=3, ctas_per_sm=3, max_seqlen_q_causal=2048,
+                  max_seqlen_q=1024),
 }
