@@ -115,6 +115,10 @@ class ShortTile:
 # stages 278 / 320 and 344; 96-key tiles, 2 stages (76 bytes spilled) 252
 # / 297 and 335. Shipped at 64 x 3 stages x 3 CTAs; run 65: causal 285 /
 # 344 (1.03 / 1.01x cuDNN), non-causal 1024 360 (0.94x).
+# Run further (up to seqlen_q 8192 causal-like, 4096 otherwise; run 66,
+# two timings each) it ties at causal 4096 (362 / 371 against 359 / 370)
+# and loses at non-causal 2048 / 4096 (404 / 378 and 392 / 406 against
+# 442-445 and 463-466) and causal 8192 (381 / 393 against 427-431).
 SHORT_TILE = {
     64: ShortTile(tile_n=64, consumers=1, kv_stages=3, ctas_per_sm=3, max_seqlen_q_causal=2048,
                   max_seqlen_q=1024),
