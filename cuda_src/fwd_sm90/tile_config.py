@@ -27,6 +27,10 @@ from dataclasses import dataclass
 # / 328-332. hd128 ships at 128 x 3 since (GPU suite passed on it; run
 # 47, cuDNN in the same process: seq 8192 625 / 568 (1.06 / 1.08x), 16384
 # 637 / 642 (1.04 / 1.18x), 1024 500 / 357 (0.96 / 0.98x)).
+# hd128 with three consumer warpgroups (192-row tiles at 160 registers;
+# 96- and 112-key tiles spill), run 67, seq 1024 / 8192 non-causal / causal:
+# 64 x 3 stages 453 / 593 and 315 / 550, 80 x 2 481 / 602 and 298 / 542,
+# 80 x 3 454 / 577 and 297 / 535 against 512 / 639 and 355 / 568 shipped.
 # DeepSeek's prefill shape, head_dim 192 with head_dim_v 128, has its own
 # kernel: O holds 64 fp32 per thread instead of 96 and a KV stage takes 80
 # KiB instead of 96, which leaves room for hd128's 128-key tiles. Run 51
