@@ -14,7 +14,7 @@ registers away; warpgroups 1 and 2 compute with WGMMA:
     dV  += P^T dO    (each WG: its keys, all of the head dim; P^T from registers)
     dK  += dS^T Q    (same; times scale at the end)
     dQ   = dS K      (each WG: half of the head dim) -> shared -> TMA add
-                     (80 query rows do not tile WGMMA's M: dQ^T = K^T dS^T)
+                     (80 or 112 query rows do not tile WGMMA's M: dQ^T = K^T dS^T)
 
 Computing the transposed scores puts the keys in the WGMMA M dimension, so
 P^T and dS^T come out of the accumulators already in the register layout of
@@ -153,10 +153,15 @@ class FlashBwdSm90(ProducerWarps):
         self.dq_in_stage = cfg.dq_in_stage
         self.dq_writers = cfg.det_dq_writers if deterministic else 1
         self.stats_warp = cfg.det_stats_warp or not deterministic
-        # Query rows that do not tile WGMMA's M (80): dQ^T = K^T dS^T instead.
+        # Query rows that do not tile WGMMA's M (80, 112): dQ^T = K^T dS^T instead,
+        # the WGs splitting its head dim, or at one WGMMA's M of head dim its
+        # query rows.
         self.dq_transposed = cfg.m_block % WGMMA_M != 0
-        if self.dq_transposed and (cfg.split_head_dim or cfg.m_block % 16 != 0 or not self.stats_warp):
-            raise NotImplementedError(f"m_block={cfg.m_block}: a multiple of 16, no split head dim, stats warp")
+        self.dq_splits_queries = self.dq_transposed and head_dim == WGMMA_M
+        if self.dq_transposed and (cfg.split_head_dim or cfg.m_block % 16 != 0 or not self.stats_warp
+                                   or not (self.dq_splits_queries or head_dim % (WGMMA_M * NUM_MMA_WG) == 0)):
+            raise NotImplementedError(f"m_block={cfg.m_block} at head_dim={head_dim}: a multiple of 16, no "
+                                      f"split head dim, stats warp, head_dim 64 or a multiple of 128")
         if not 1 <= self.dq_writers <= MAX_DQ_WRITERS:
             raise ValueError(f"det_dq_writers={cfg.det_dq_writers}: 1 to {MAX_DQ_WRITERS}")
 
@@ -224,7 +229,7 @@ class FlashBwdSm90(ProducerWarps):
         sdO_layout = self._dO_layout()
         sK_layout = smem_tile_layout(self.dtype, N, D, 1, D // NUM_MMA_WG)
         sV_layout = smem_tile_layout(self.dtype, N, Dv, 1, Dv // NUM_MMA_WG if split else Dv)  # dV staged here
-        sdS_layout = smem_tile_layout(self.dtype, N, M, st, M)
+        sdS_layout = smem_tile_layout(self.dtype, N, M, st, M // NUM_MMA_WG if self.dq_splits_queries else M)
         sdQ_layout = dq_tile_layout(M, D, D // NUM_MMA_WG)
 
         # S^T = K Q^T and dP^T = V dO^T (keys as the WGMMA M), so that P^T and
@@ -236,7 +241,9 @@ class FlashBwdSm90(ProducerWarps):
         else:
             mma_sdp = tiled_mma(self.dtype, K_MAJOR, K_MAJOR, (NUM_MMA_WG, 1, 1), M)
         mma_dkv = key_rows_mma(self.dtype, D, split)
-        if cutlass.const_expr(self.dq_transposed):
+        if cutlass.const_expr(self.dq_splits_queries):
+            mma_dq = tiled_mma(self.dtype, MN_MAJOR, MN_MAJOR, (1, NUM_MMA_WG, 1), M // NUM_MMA_WG)
+        elif cutlass.const_expr(self.dq_transposed):
             # dQ^T = K^T dS^T: the head dim is the WGMMA M, split over the WGs.
             mma_dq = tiled_mma(self.dtype, MN_MAJOR, MN_MAJOR, (NUM_MMA_WG, 1, 1), M)
         else:

@@ -39,7 +39,8 @@ class TileConfig:
     # default, non-causal seq 1k / 2k / 4k): hd192 0.89 / 0.90 / 0.87
     # against 0.86 / 0.86 / 0.86 without, hd256 0.89 / 0.86 / 0.91 against
     # 0.87 / 0.85 / 0.89, but hd192 causal seq 16k collapsed again (205
-    # against 352 TFLOPS): still off.
+    # against 352 TFLOPS): still off. 192 / 128 with it (run 68, non-causal
+    # seq 2k / 4k): 0.85 / 0.83 against 0.86 / 0.83 without (twice).
     det_stats_warp: bool = True
 
     def __post_init__(self):
@@ -62,9 +63,9 @@ class TileConfig:
 # Frozen per head dim. n_block = 128 puts one 64-row WGMMA per consumer WG in
 # the S^T, dP^T, dK and dV GEMMs; m_block = 64 keeps the S^T/dP^T/dQ
 # fragments at 32 floats per thread next to dK and dV (64 each at hd128)
-# within 240 registers (hd128 takes 80 rows since: see below). Shared
-# memory (2 stages, dS, fp32 dQ tile): hd128 227 KiB (192 at 64 rows), hd96
-# 152 KiB, hd64 112 KiB.
+# within 240 registers (hd128 takes 80 rows and hd64 112 since: see below). Shared
+# memory (2 stages, dS, fp32 dQ tile) at 64 rows: hd128 192 KiB (227 at 80), hd96
+# 152 KiB, hd64 112 KiB (176 at 112).
 # Measured on H100 (bf16, batch 2, 16 heads, seq 8192, backward TFLOPS,
 # non-causal / causal, cuDNN in the same process; results runs 6 and 13):
 # the earlier layout (S = Q K^T, P through shared memory, dQ by red.global,
@@ -122,6 +123,17 @@ class TileConfig:
 # path does (branch bwd-column-stats, run 50): hd64 390 / 365 against
 # 397-400 / 361-362, hd96 467 / 417 against 452-465 / 421-429; not kept.
 #
+# hd64 at 112 query rows (dQ^T = K^T dS^T as at hd128's 80 rows, but with a
+# head dim of one WGMMA M the WGs split dQ^T's query columns, 56 each): S^T,
+# dP^T 56 floats per thread, dQ^T 28, dK and dV 32 each, no spills. H100,
+# results run 69 (16 heads, 16k tokens, backward TFLOPS, non-causal / causal,
+# seq 1k / 4k / 8k / 16k), against 64 rows timed before and after:
+#   112 x 2: 332 / 210, 429 / 371, 470 / 416, 462 / 461;
+#   96 x 2:  334 / 220, 414 / 371, 457 / 406, 469 / 455;
+#   96 x 3:  337 / 223, 435 / 377, 454 / 403, 473 / 470;
+#   80 x 2:  327 / 222, 406 / 350, 447 / 389, 459 / 447;
+#   64 x 2:  305-308 / 217-218, 376-380 / 324-325, 390-396 / 358-359,
+#            398-407 / 392-402 (cuDNN at 8k 424-427 / 369-373).
 # DeepSeek's prefill shape, head_dim 192 with head_dim_v 128, takes hd192's
 # tile with V, dO and dV 128 wide: each WG holds 64 columns of dV (32 floats
 # per thread) and 96 of dK and dQ. Shared memory 203 KiB against hd192's 227
@@ -133,7 +145,7 @@ class TileConfig:
 # against 229 / 174.
 # (head_dim, head_dim_v) -> tile
 TILE_CONFIGS = {
-    (64, 64): TileConfig(m_block=64, n_block=128, stages=2),
+    (64, 64): TileConfig(m_block=112, n_block=128, stages=2),
     (96, 96): TileConfig(m_block=64, n_block=128, stages=2),
     (128, 128): TileConfig(m_block=80, n_block=128, stages=2),
     (192, 192): TileConfig(m_block=64, n_block=64, stages=2, split_head_dim=True, det_stats_warp=False),

@@ -8,9 +8,9 @@ columns. A thread's 16 query rows would take 16 registers per statistic, so
 each lane reads only the two rows of group l // 4 (own_query_column) and
 serves them to the others by shuffles (query_stat). (Holding all 16 per
 thread spilled at head_dim 64.) The 32 lanes serve 8 groups, 64 columns, per
-pair of rows: 80 query rows give each lane one pair per 64 columns
-(stat_pairs), the lanes past the last group serving nobody. (That tile
-takes only its segment ids this way: each thread reads lse and delta of its
+pair of rows: 80 or 112 query rows give each lane one pair per 64 columns
+(stat_pairs), the lanes past the last group serving nobody. (Those tiles
+take only their segment ids this way: each thread reads lse and delta of its
 own columns from shared memory, see kernel.py.)
 """
 

@@ -139,7 +139,7 @@ class ProducerWarps:
             for r in cutlass.range_constexpr(M // WARP_THREADS):
                 row = r * WARP_THREADS + lane
                 self._stage_query_stats(mLSE, mDelta, sStats, batch, head, m_block, row, stage, seqlen_q)
-            if cutlass.const_expr(M % WARP_THREADS != 0):  # 80 rows: 16 lanes do the last 16
+            if cutlass.const_expr(M % WARP_THREADS != 0):  # 80, 112 rows: 16 lanes do the last 16
                 row = M - M % WARP_THREADS + lane
                 if row < M:
                     self._stage_query_stats(mLSE, mDelta, sStats, batch, head, m_block, row, stage, seqlen_q)
