@@ -134,6 +134,12 @@ class TileConfig:
 #   80 x 2:  327 / 222, 406 / 350, 447 / 389, 459 / 447;
 #   64 x 2:  305-308 / 217-218, 376-380 / 324-325, 390-396 / 358-359,
 #            398-407 / 392-402 (cuDNN at 8k 424-427 / 369-373).
+# With dQ over the spent Q / dO stage (dq_in_stage, room for a third stage;
+# run 71, against 112 x 2 shipped, timed before and after): 112 x 3 315 /
+# 202, 439 / 355, 449 / 403, 473 / 444; 96 x 3 324 / 216, 429 / 357, 453 /
+# 394, 461 / 451; 112 x 2 313 / 203, 417 / 352, 451 / 405, 459 / 435;
+# shipped 323-329 / 201-210, 438-447 / 369-373, 467-468 / 416-419, 477-480
+# / 451-464.
 # DeepSeek's prefill shape, head_dim 192 with head_dim_v 128, takes hd192's
 # tile with V, dO and dV 128 wide: each WG holds 64 columns of dV (32 floats
 # per thread) and 96 of dK and dQ. Shared memory 203 KiB against hd192's 227
