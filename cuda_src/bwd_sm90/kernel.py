@@ -594,6 +594,9 @@ class FlashBwdSm90(ProducerWarps):
             acc_S_mn = wgmma_acc_as_rows_cols(acc_S)
             for c in cutlass.range_constexpr(n_queries):
                 if cutlass.const_expr(self.dq_transposed):
+                    # Read before the S^T wait instead (all 28 columns at
+                    # hd64, 10 or 14 of hd128's 20: more spill) it ran no
+                    # faster, hd64 slower (results run 73).
                     row_lse = sStats[tScS[0, c][1], 0, stats_stage]
                 else:
                     row_lse = query_stat(lse_log2_pair, c, lane)
