@@ -185,6 +185,17 @@ class AttentionTestBase:
     assert np.all(dk[2] == 0) and np.all(dv[2] == 0) and np.all(dq[2] == 0)
     assert np.all(np.isneginf(lse[1])) and np.all(np.isneginf(lse[2]))
 
+  def test_long_rows_of_unequal_reach(self):
+    # Past 2048 queries the Hopper forward's hd64 tiles are 192 rows over
+    # 128-key tiles, whose warpgroups then see different numbers of KV tiles
+    # under a right window and pass the others on; 4097 rows leave a partial
+    # tile, placed before row 0, and the shorter row lengths whole warpgroups
+    # without a row.
+    seq = self.long_seq
+    self.check(seq_q=seq, seq_k=seq + 60, heads_q=2, heads_kv=1, window=(None, 70),
+               q_lens=jnp.array([seq, seq - 300], jnp.int32),
+               kv_lens=jnp.array([seq + 60, seq - 500], jnp.int32), dtype=self.dtypes[0])
+
   def test_fully_masked_rows(self):
     # Bottom-right causal with seq_q > seq_k: the first 60 query rows see no key.
     out, lse, dq, dk, dv = self.check(seq_q=100, seq_k=40, causal=True, dtype=self.dtypes[0])

@@ -314,19 +314,27 @@ class FlashFwdSm90:
         seqlen_k = mK.shape[0]
         # Largest query tiles first: under a causal mask they carry the most
         # KV tiles, and starting them early shortens the tail of the grid.
-        # (A cluster's grid is rounded up: its last CTA may lie past seqlen_q.)
         m_blocks = cute.round_up(cute.ceil_div(seqlen_q, self.tile_m), self.cluster_size)
         m_block = m_blocks - 1 - m_block_rev
         head_kv = head_q // (mQ.shape[2] // mK.shape[2])
-        m_start = m_block * self.tile_m
+        # The grid's rows beyond seqlen_q (a partial tile, a cluster's
+        # rounding) go before row 0, in whole 64-row warpgroup tiles: there
+        # every mask leaves the fewest keys, whereas past the end a causal
+        # mask would leave the most (hd64's 192-row tiles at seq 4096 would
+        # spend 6% of the causal work on 128 rows that do not exist).
+        # Warpgroup tiles before row 0 load a clamped Q tile and store nothing.
+        lead_tiles = m_blocks * self.consumers - cute.ceil_div(seqlen_q, WG_ROWS)
+        wg_tile0 = m_block * self.consumers - lead_tiles
+        m_start = wg_tile0 * WG_ROWS
         q_len = cutlass.max(cutlass.min(mQLens[batch], seqlen_q), 0)
         kv_len = cutlass.max(cutlass.min(mKVLens[batch], seqlen_k), 0)
 
         # ---- KV tile range of the whole CTA (of the cluster) -----------------
         # The CTAs of a cluster walk the same KV tiles: the range of all their
         # rows (the same for each row without a window).
-        first_row = m_start - m_block % self.cluster_size * self.tile_m
-        last_row = cutlass.min(first_row + self.cluster_size * self.tile_m, q_len) - 1
+        cluster_start = m_start - m_block % self.cluster_size * self.tile_m
+        first_row = cutlass.max(cluster_start, 0)
+        last_row = cutlass.min(cluster_start + self.cluster_size * self.tile_m, q_len) - 1
         col_begin = cutlass.Int32(0)
         if window_left >= 0:
             col_begin = cutlass.max(first_row + diag_offset - window_left, 0)
@@ -388,7 +396,7 @@ class FlashFwdSm90:
                 self._produce(
                     tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
                     pipe_q, pipe_k, pipe_v,
-                    head_q, head_kv, batch, m_block, n_block_max, num_n_blocks,
+                    head_q, head_kv, batch, wg_tile0, n_block_max, num_n_blocks,
                 )
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers())
@@ -397,7 +405,7 @@ class FlashFwdSm90:
                 tidx % WG_THREADS, wg_idx - 1, tma_o, mO, mLSE, sQ, sK, sV, sO,
                 pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
                 scale_log2, softcap_in, diag_offset, window_left, window_right,
-                head_q, batch, m_block, q_len, kv_len, n_block_min, n_block_max,
+                head_q, batch, wg_tile0, q_len, kv_len, n_block_min, n_block_max,
                 num_n_blocks, mQSeg, mKVSeg,
             )
         if cutlass.const_expr(self.cluster_size > 1):
@@ -410,7 +418,7 @@ class FlashFwdSm90:
     def _produce(
         self, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
         pipe_q, pipe_k, pipe_v,
-        head_q, head_kv, batch, m_block, n_block_max, num_n_blocks,
+        head_q, head_kv, batch, wg_tile0, n_block_max, num_n_blocks,
     ):
         """One warp: Q once, then K(n) and V(n) for n = n_block_max-1 down."""
         hd, hd_v, tile_n = self.head_dim, self.head_dim_v, self.tile_n
@@ -443,7 +451,7 @@ class FlashFwdSm90:
             self._load_kv(tma_k, tKgK[None, n_block], tKsK[None, kv_state.index], pipe_k.producer_get_barrier(kv_state))
             pipe_q.producer_acquire(q_state)
             for w in cutlass.range_constexpr(self.consumers):
-                cute.copy(tma_q, tQgQ[None, m_block * self.consumers + w], tQsQ[None, w],
+                cute.copy(tma_q, tQgQ[None, cutlass.max(wg_tile0 + w, 0)], tQsQ[None, w],
                           tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             pipe_v.producer_acquire(kv_state)
             self._load_kv(tma_v, tVgV[None, n_block], tVsV[None, kv_state.index], pipe_v.producer_get_barrier(kv_state))
@@ -471,11 +479,11 @@ class FlashFwdSm90:
         self, tidx, wg, tma_o, mO, mLSE, sQ, sK, sV, sO,
         pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
         scale_log2, softcap_in, diag_offset, window_left, window_right,
-        head_q, batch, m_block, q_len, kv_len, n_block_min, n_block_max, num_n_blocks,
+        head_q, batch, wg_tile0, q_len, kv_len, n_block_min, n_block_max, num_n_blocks,
         mQSeg, mKVSeg,
     ):
         tile_n = self.tile_n
-        row_start = m_block * self.tile_m + wg * WG_ROWS
+        row_start = (wg_tile0 + wg) * WG_ROWS
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
         sQ_wg = sQ[None, None, wg]
@@ -505,10 +513,11 @@ class FlashFwdSm90:
         factor = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         row_seg = None
         if cutlass.const_expr(self.has_segments):
-            # Rows past seqlen_q read a clamped id; the q_len mask hides them.
+            # Rows outside the sequence read a clamped id; their results are
+            # masked (past q_len) or never stored (before row 0).
             row_seg = cute.make_rmem_tensor(num_rows, cutlass.Int32)
             for r in cutlass.range_constexpr(num_rows):
-                row = cutlass.min(row_start + tScS[r, 0][0], mQSeg.shape[1] - 1)
+                row = cutlass.max(cutlass.min(row_start + tScS[r, 0][0], mQSeg.shape[1] - 1), 0)
                 row_seg[r] = mQSeg[batch, row]
         # P lives in one register fragment across iterations: written after
         # softmax(j), read by the PV GEMM issued in iteration j + 1.
@@ -517,7 +526,7 @@ class FlashFwdSm90:
 
         # Tiles n in [full_lo, full_hi) are visible to every row of the CTA and
         # skip the mask; the others (kv_len edge, diagonal, window) apply it.
-        m_start = m_block * self.tile_m
+        m_start = wg_tile0 * WG_ROWS
         full_hi = kv_len // tile_n
         if window_right >= 0:
             full_hi = cutlass.min(
@@ -536,15 +545,29 @@ class FlashFwdSm90:
                     barrier_id=BAR_PINGPONG, number_of_threads=2 * WG_THREADS
                 )
 
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         if num_n_blocks > 0:
-            kv_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, self.kv_stages
-            )
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_q.consumer_wait(q_state)
+        # The CTA's first KV tiles may lie right of what this warpgroup's rows
+        # see (the causal diagonal of a tile taller than its KV tiles), or its
+        # rows may lie outside the sequence: it passes those on without GEMMs.
+        # It waits for each stage before releasing it, so that it never runs a
+        # phase ahead of the other consumers.
+        skipped = self._unseen_leading_tiles(row_start, q_len, kv_len, diag_offset,
+                                             window_right, n_block_max, num_n_blocks)
+        for _ in cutlass.range(skipped, unroll=1):
+            pipe_k.consumer_wait(kv_state)
+            self._turn_wait(wg)
+            self._turn_pass(wg)
+            pipe_k.consumer_release(kv_state)
+            pipe_v.consumer_wait(kv_state)
+            pipe_v.consumer_release(kv_state)
+            kv_state.advance()
 
+        if num_n_blocks > skipped:
             # First tile: S, softmax, P; its PV GEMM is issued next iteration.
-            n_block = n_block_max - 1
+            n_block = n_block_max - 1 - skipped
             pipe_k.consumer_wait(kv_state)
             self._turn_wait(wg)
             acc_S = self._gemm_qk(tiled_mma_qk, acc_S_shape, tSrQ, tSrK, kv_state.index)
@@ -560,7 +583,7 @@ class FlashFwdSm90:
             online_softmax(acc_S_mn, row_max, row_sum, factor, scale_log2, self.conditional_rescale)
             rP.store(acc_S.load().to(self.dtype))
 
-            for i in cutlass.range(1, num_n_blocks, unroll=1):
+            for i in cutlass.range(skipped + 1, num_n_blocks, unroll=1):
                 n_block = n_block_max - 1 - i
                 v_state = kv_state.clone()
                 kv_state.advance()
@@ -598,10 +621,27 @@ class FlashFwdSm90:
             pipe_v.consumer_release(kv_state)
 
         self._epilogue(tidx, wg, tOsO, acc_O, acc_O_mn, tScS, row_max, row_sum,
-                       scale_log2, sO_wg, tma_o, mO, mLSE, head_q, batch, m_block,
+                       scale_log2, sO_wg, tma_o, mO, mLSE, head_q, batch, wg_tile0 + wg,
                        row_start, q_len)
 
     # ------------------------------------------------------------------------
+    @cute.jit
+    def _unseen_leading_tiles(self, row_start, q_len, kv_len, diag_offset, window_right,
+                              n_block_max, num_n_blocks):
+        """How many of the CTA's KV tiles, walked from n_block_max - 1 down,
+        no row of the warpgroup starting at row_start sees: all of them for
+        rows outside [0, q_len), else those right of its last row's window."""
+        seen_max = n_block_max
+        if row_start < 0 or row_start >= q_len:
+            seen_max = n_block_max - num_n_blocks
+        elif window_right >= 0:
+            last_row = cutlass.min(row_start + WG_ROWS, q_len) - 1
+            col_end = cutlass.min(last_row + diag_offset + window_right + 1, kv_len)
+            seen_max = cutlass.min(cute.ceil_div(cutlass.max(col_end, 0), self.tile_n), n_block_max)
+        # Uniform by construction; said so, or ptxas serialises the WGMMAs
+        # behind a branch it takes for divergent.
+        return cute.arch.make_warp_uniform(cutlass.min(cutlass.max(n_block_max - seen_max, 0), num_n_blocks))
+
     @cute.jit
     def _turn_wait(self, wg):
         """Pingpong: wait until the previous consumer has issued its GEMMs."""
@@ -677,10 +717,11 @@ class FlashFwdSm90:
     @cute.jit
     def _epilogue(
         self, tidx, wg, tOsO, acc_O, acc_O_mn, tScS, row_max, row_sum,
-        scale_log2, sO, tma_o, mO, mLSE, head_q, batch, m_block, row_start, q_len,
+        scale_log2, sO, tma_o, mO, mLSE, head_q, batch, wg_tile, row_start, q_len,
     ):
         """Normalise O, write LSE, and store O through this warpgroup's Q
-        buffer with one TMA store (which clips rows past seqlen_q)."""
+        buffer with one TMA store (which clips rows past seqlen_q; a tile
+        before row 0 stores nothing)."""
         seqlen_q = mO.shape[0]
         for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
             total = quad_allreduce(row_sum[r], lambda a, b: a + b)
@@ -692,7 +733,7 @@ class FlashFwdSm90:
                 lse = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
             for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                 acc_O_mn[r, c] = acc_O_mn[r, c] * inv
-            if tidx % 4 == 0 and row < seqlen_q:
+            if tidx % 4 == 0 and row >= 0 and row < seqlen_q:
                 mLSE[batch, head_q, row] = lse
 
         rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
@@ -703,10 +744,9 @@ class FlashFwdSm90:
         # Generic-proxy smem writes must be visible to the TMA (async proxy).
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=self.bar_epilogue + wg, number_of_threads=WG_THREADS)
-        if tidx < 32:
+        if tidx < 32 and wg_tile >= 0:
             gO = cute.local_tile(
-                mO[None, None, head_q, batch], (WG_ROWS, self.head_dim_v),
-                (m_block * self.consumers + wg, 0),
+                mO[None, None, head_q, batch], (WG_ROWS, self.head_dim_v), (wg_tile, 0),
             )
             tOsO_tma, tOgO = cpasync.tma_partition(
                 tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
