@@ -50,8 +50,8 @@ from common.dsl_common import (
     wgmma_acc_as_rows_cols,
 )
 from online_softmax import online_softmax, quad_allreduce, rescale_rows
-from score_mask import apply_mask
-from segment_ids import load_tile_ids, warp_bounds_union, warp_tile_segment
+from score_mask import mask_tile, unseen_leading_tiles
+from segment_ids import warp_bounds_union, warp_tile_segment
 from tile_config import TILE_CONFIG
 
 LN2 = math.log(2.0)
@@ -554,8 +554,8 @@ class FlashFwdSm90:
         # rows may lie outside the sequence: it passes those on without GEMMs.
         # It waits for each stage before releasing it, so that it never runs a
         # phase ahead of the other consumers.
-        skipped = self._unseen_leading_tiles(row_start, q_len, kv_len, diag_offset,
-                                             window_right, n_block_max, num_n_blocks)
+        skipped = unseen_leading_tiles(row_start, WG_ROWS, tile_n, q_len, kv_len, diag_offset,
+                                       window_right, n_block_max, num_n_blocks)
         for _ in cutlass.range(skipped, unroll=1):
             pipe_k.consumer_wait(kv_state)
             self._turn_wait(wg)
@@ -577,9 +577,9 @@ class FlashFwdSm90:
             pipe_k.consumer_release(kv_state)
             cap_scores(acc_S, softcap_in)
             acc_S_mn = wgmma_acc_as_rows_cols(acc_S)
-            self._mask_tile(acc_S_mn, tScS, row_start, n_block, full_lo, full_hi, q_len,
-                            kv_len, diag_offset, window_left, window_right, row_seg,
-                            tile_seg, mKVSeg, batch)
+            mask_tile(acc_S_mn, tScS, row_start, n_block, tile_n, full_lo, full_hi, q_len,
+                      kv_len, diag_offset, window_left, window_right, row_seg, tile_seg,
+                      mKVSeg, batch)
             online_softmax(acc_S_mn, row_max, row_sum, factor, scale_log2, self.conditional_rescale)
             rP.store(acc_S.load().to(self.dtype))
 
@@ -599,9 +599,9 @@ class FlashFwdSm90:
                 warpgroup.wait_group(1)
                 cap_scores(acc_S, softcap_in)
                 acc_S_mn = wgmma_acc_as_rows_cols(acc_S)
-                self._mask_tile(acc_S_mn, tScS, row_start, n_block, full_lo, full_hi, q_len,
-                                kv_len, diag_offset, window_left, window_right, row_seg,
-                                tile_seg, mKVSeg, batch)
+                mask_tile(acc_S_mn, tScS, row_start, n_block, tile_n, full_lo, full_hi, q_len,
+                          kv_len, diag_offset, window_left, window_right, row_seg, tile_seg,
+                          mKVSeg, batch)
                 online_softmax(acc_S_mn, row_max, row_sum, factor, scale_log2, self.conditional_rescale)
                 # ptxas schedules the wait for the PV GEMM as early as its
                 # dependencies allow, i.e. above the softmax, which then no
@@ -625,23 +625,6 @@ class FlashFwdSm90:
                        row_start, q_len)
 
     # ------------------------------------------------------------------------
-    @cute.jit
-    def _unseen_leading_tiles(self, row_start, q_len, kv_len, diag_offset, window_right,
-                              n_block_max, num_n_blocks):
-        """How many of the CTA's KV tiles, walked from n_block_max - 1 down,
-        no row of the warpgroup starting at row_start sees: all of them for
-        rows outside [0, q_len), else those right of its last row's window."""
-        seen_max = n_block_max
-        if row_start < 0 or row_start >= q_len:
-            seen_max = n_block_max - num_n_blocks
-        elif window_right >= 0:
-            last_row = cutlass.min(row_start + WG_ROWS, q_len) - 1
-            col_end = cutlass.min(last_row + diag_offset + window_right + 1, kv_len)
-            seen_max = cutlass.min(cute.ceil_div(cutlass.max(col_end, 0), self.tile_n), n_block_max)
-        # Uniform by construction; said so, or ptxas serialises the WGMMAs
-        # behind a branch it takes for divergent.
-        return cute.arch.make_warp_uniform(cutlass.min(cutlass.max(n_block_max - seen_max, 0), num_n_blocks))
-
     @cute.jit
     def _turn_wait(self, wg):
         """Pingpong: wait until the previous consumer has issued its GEMMs."""
@@ -685,34 +668,6 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.has_segments):
             tile_seg = warp_tile_segment(mKVSeg, batch, n_start, self.tile_n)
         return tile_seg
-
-    @cute.jit
-    def _mask_tile(
-        self, acc_S_mn, tScS, row_start, n_block, full_lo, full_hi, q_len, kv_len,
-        diag_offset, window_left, window_right, row_seg, tile_seg, mKVSeg, batch,
-    ):
-        """Masks one S tile. Tiles in [full_lo, full_hi) are visible to every
-        row as far as lengths, diagonal and window go. A packed-document tile whose keys
-        all belong to one document only masks the rows of other documents;
-        any other packed tile compares ids element by element."""
-        n_start = n_block * self.tile_n
-        if cutlass.const_expr(self.has_segments):
-            tile_id, uniform = tile_seg
-            if uniform:
-                if n_block < full_lo or n_block >= full_hi:
-                    apply_mask(acc_S_mn, tScS, row_start, n_start, q_len, kv_len,
-                                     diag_offset, window_left, window_right)
-                for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-                    if row_seg[r] != tile_id:
-                        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                            acc_S_mn[r, c] = -cutlass.Float32.inf
-            else:
-                col_seg = load_tile_ids(mKVSeg, batch, n_start, tScS[0, None], self.tile_n)
-                apply_mask(acc_S_mn, tScS, row_start, n_start, q_len, kv_len,
-                                 diag_offset, window_left, window_right, row_seg, col_seg)
-        elif n_block < full_lo or n_block >= full_hi:
-            apply_mask(acc_S_mn, tScS, row_start, n_start, q_len, kv_len,
-                             diag_offset, window_left, window_right)
 
     @cute.jit
     def _epilogue(
