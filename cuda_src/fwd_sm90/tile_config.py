@@ -31,6 +31,11 @@ from dataclasses import dataclass
 # 96- and 112-key tiles spill), run 67, seq 1024 / 8192 non-causal / causal:
 # 64 x 3 stages 453 / 593 and 315 / 550, 80 x 2 481 / 602 and 298 / 542,
 # 80 x 3 454 / 577 and 297 / 535 against 512 / 639 and 355 / 568 shipped.
+# hd128 at short sequences with smaller KV tiles (run 81, seq 1024 / 2048
+# / 4096, non-causal / causal): 64 x 4 stages 480 / 357, 509 / 438, 609 /
+# 479; 64 x 5 464 / 350, 518 / 422, 612 / 475; 96 x 3 459 / 336, 514 /
+# 430, 609 / 487, against 503-512 / 359-363, 588-613 / 451-465, 604-616
+# / 523-527 shipped (cuDNN at causal 1024 moved between 351 and 378).
 # DeepSeek's prefill shape, head_dim 192 with head_dim_v 128, has its own
 # kernel: O holds 64 fp32 per thread instead of 96 and a KV stage takes 80
 # KiB instead of 96, which leaves room for hd128's 128-key tiles. Run 51
@@ -123,6 +128,9 @@ class ShortTile:
 # two timings each) it ties at causal 4096 (362 / 371 against 359 / 370)
 # and loses at non-causal 2048 / 4096 (404 / 378 and 392 / 406 against
 # 442-445 and 463-466) and causal 8192 (381 / 393 against 427-431).
+# The 192-row tiles at causal 4096 ran 372 then, 390-408 once their spare
+# rows went before row 0 and their warpgroups skipped the KV tiles right of
+# their rows (results run 78), so the threshold stays at 2048.
 SHORT_TILE = {
     64: ShortTile(tile_n=64, consumers=1, kv_stages=3, ctas_per_sm=3, max_seqlen_q_causal=2048,
                   max_seqlen_q=1024),
