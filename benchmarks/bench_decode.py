@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import pathlib
+import re
 import sys
 
 import jax
@@ -31,13 +32,26 @@ from jax_flash import benchmark, configs
 @contextlib.contextmanager
 def plain_kernel_calls():
   """The GPU backend with query-head packing and split-KV turned off (for
-  comparison): no query count is below one row, no grid is too small."""
+  comparison): no query count is below one row, no grid is too small.
+
+  The routing tables are read while tracing, so JAX's caches are cleared on
+  the way in and out: a trace cached under one table would serve the other
+  (on an H100 with JAX 0.11.2 the default path ran the plain kernel call in
+  every run from 22 to 82)."""
   original = configs.BACKENDS["gpu"]
+  jax.clear_caches()
   configs.BACKENDS["gpu"] = dataclasses.replace(original, query_tile_rows=1, kv_split_ctas=0)
   try:
     yield
   finally:
     configs.BACKENDS["gpu"] = original
+    jax.clear_caches()
+
+
+def kernel_output_shapes(compiled_hlo: str) -> list[str]:
+  """The output shapes of the jax_flash kernel calls in compiled HLO text:
+  what a decoding step really ran (packed heads and key chunks show there)."""
+  return re.findall(r"= \((\w+\[[\d,]*\])[^\n]*custom_call_target=\"jax_flash_", compiled_hlo)
 
 
 def make_inputs(batch, queries, seq_k, heads, heads_kv, head_dim, dtype):
@@ -64,7 +78,8 @@ def main(argv=None) -> int:
   device = jax.devices()[0]
   print(f"{device.device_kind}, jax {jax.__version__}, {args.dtype}, batch {args.batch}, "
         f"heads {args.heads}/{args.heads_kv}, hd{args.head_dim}", flush=True)
-  print(f"{'seq_k':>7}  {'impl':<24}{'ms':>9}{'GB/s':>8}{'x plain':>9}", flush=True)
+  print(f"{'seq_k':>7}  {'impl':<24}{'ms':>9}{'GB/s':>8}{'x plain':>9}  kernel outputs",
+        flush=True)
   rows = []
   for seq_k in args.seqs:
     q, k, v = make_inputs(args.batch, 1, seq_k, args.heads, args.heads_kv, args.head_dim,
@@ -85,7 +100,9 @@ def main(argv=None) -> int:
         attend = anchor_fn(impl)
       try:
         with context():
-          ms = benchmark._time(jax.jit(attend), (q, k, v))
+          timed = jax.jit(attend)
+          ms = benchmark._time(timed, (q, k, v))
+          kernels = kernel_output_shapes(timed.lower(q, k, v).compile().as_text())
       except Exception as e:  # an implementation that rejects the shape is reported
         print(f"{seq_k:>7}  {impl + ':' + variant:<24}failed: "
               f"{benchmark.error_summary(e)}", flush=True)
@@ -95,7 +112,7 @@ def main(argv=None) -> int:
       gbps = kv_bytes / ms / 1e6
       ratio = f"{plain_ms / ms:.2f}" if plain_ms else "-"
       print(f"{seq_k:>7}  {impl + ':' + variant:<24}{ms:9.4f}{gbps:8.0f}"
-            f"{ratio:>9}", flush=True)
+            f"{ratio:>9}  {' '.join(kernels)}", flush=True)
       rows.append({
           "impl": impl, "dtype": args.dtype, "batch": args.batch, "seq_q": 1,
           "seq_k": seq_k, "heads_q": args.heads, "heads_kv": args.heads_kv,
@@ -103,7 +120,7 @@ def main(argv=None) -> int:
           "window": None, "variant": variant, "op": "fwd", "tflops": None,
           "ms": round(ms, 4), "gbps": round(gbps, 1), "gpu": device.device_kind,
           "jax": jax.__version__, "date": benchmark.datetime.date.today().isoformat(),
-          "matmul_ceiling_tflops": None})
+          "matmul_ceiling_tflops": None, "kernel_outputs": kernels})
   if args.out:
     existing = json.loads(args.out.read_text()) if args.out.exists() else []
     args.out.parent.mkdir(parents=True, exist_ok=True)

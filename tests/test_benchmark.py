@@ -6,8 +6,10 @@ import pathlib
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 
+import jax_flash
 from jax_flash import benchmark
 from jax_flash import configs as jax_flash_configs
 
@@ -211,6 +213,18 @@ def test_decode_comparison_turns_packing_and_split_off_and_back():
     plain = jax_flash_configs.BACKENDS["gpu"]
     assert plain.query_tile_rows == 1 and plain.kv_split_ctas == 0
   assert jax_flash_configs.BACKENDS["gpu"] is default
+
+
+def test_decode_benchmark_reads_the_kernel_calls_that_ran():
+  keys = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(keys[0], (2, 1, 8, 64), jnp.bfloat16)
+  k, v = (jax.random.normal(key, (2, 96, 2, 64), jnp.bfloat16) for key in keys[1:])
+  step = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, causal=True,
+                                                     implementation="cpu"))
+  compiled = step.lower(q, k, v).compile().as_text()
+  # Four query heads per kv head, packed into the rows of one call.
+  assert bench_decode.kernel_output_shapes(compiled) == ["bf16[2,4,2,64]"]
+  assert bench_decode.kernel_output_shapes("%x = f32[2]{0} add(%a, %b)") == []
 
 
 def test_decode_benchmark_needs_a_gpu():
