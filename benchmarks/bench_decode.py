@@ -9,7 +9,11 @@ Each configuration is ``--batch`` sequences of one new query against
 unmasked), ``--heads`` query heads sharing ``--heads-kv`` kv heads. A
 decoding step reads K and V once,
 so rows carry ``gbps``: K/V bytes over the forward time (the bandwidth the
-memory-bound kernel reaches). Rows: impl "jax_flash" with variant
+memory-bound kernel reaches). Each implementation is timed twice: one step
+per jitted call (``ms``: the host's per-call work shows when a step is
+short) and ``--chain`` dependent steps in one call (``ms_chained``, per
+step: the GPU's time, which is what a step costs inside a model whose other
+layers hide the host's work). Rows: impl "jax_flash" with variant
 "gqa-packed-split" (the default) / "gqa-plain", "cudnn" and "xla" with
 variant "gqa".
 """
@@ -62,6 +66,16 @@ def make_inputs(batch, queries, seq_k, heads, heads_kv, head_dim, dtype):
           make(keys[2], (batch, seq_k, heads_kv, head_dim)))
 
 
+def chained(step, steps: int):
+  """``steps`` decoding steps in one function, each step's output the next
+  step's query (so none can be skipped or merged)."""
+  def run(q, k, v):
+    for _ in range(steps):
+      q = step(q, k, v)
+    return q
+  return run
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
@@ -70,6 +84,7 @@ def main(argv=None) -> int:
   parser.add_argument("--heads-kv", type=int, default=4)
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+  parser.add_argument("--chain", type=int, default=16, help="steps per call for ms_chained")
   parser.add_argument("--out", type=pathlib.Path, help="JSON file to append rows to")
   args = parser.parse_args(argv)
   if jax.default_backend() != "gpu":
@@ -78,8 +93,8 @@ def main(argv=None) -> int:
   device = jax.devices()[0]
   print(f"{device.device_kind}, jax {jax.__version__}, {args.dtype}, batch {args.batch}, "
         f"heads {args.heads}/{args.heads_kv}, hd{args.head_dim}", flush=True)
-  print(f"{'seq_k':>7}  {'impl':<24}{'ms':>9}{'GB/s':>8}{'x plain':>9}  kernel outputs",
-        flush=True)
+  print(f"{'seq_k':>7}  {'impl':<24}{'ms':>9}{'GB/s':>8}{'x plain':>9}"
+        f"{'chained':>9}{'GB/s':>8}  kernel outputs", flush=True)
   rows = []
   for seq_k in args.seqs:
     q, k, v = make_inputs(args.batch, 1, seq_k, args.heads, args.heads_kv, args.head_dim,
@@ -103,6 +118,8 @@ def main(argv=None) -> int:
           timed = jax.jit(attend)
           ms = benchmark._time(timed, (q, k, v))
           kernels = kernel_output_shapes(timed.lower(q, k, v).compile().as_text())
+          chained_ms = benchmark._time(jax.jit(chained(attend, args.chain)), (q, k, v))
+          chained_ms /= args.chain
       except Exception as e:  # an implementation that rejects the shape is reported
         print(f"{seq_k:>7}  {impl + ':' + variant:<24}failed: "
               f"{benchmark.error_summary(e)}", flush=True)
@@ -111,14 +128,16 @@ def main(argv=None) -> int:
         plain_ms = ms
       gbps = kv_bytes / ms / 1e6
       ratio = f"{plain_ms / ms:.2f}" if plain_ms else "-"
-      print(f"{seq_k:>7}  {impl + ':' + variant:<24}{ms:9.4f}{gbps:8.0f}"
-            f"{ratio:>9}  {' '.join(kernels)}", flush=True)
+      print(f"{seq_k:>7}  {impl + ':' + variant:<24}{ms:9.4f}{gbps:8.0f}{ratio:>9}"
+            f"{chained_ms:9.4f}{kv_bytes / chained_ms / 1e6:8.0f}  {' '.join(kernels)}",
+            flush=True)
       rows.append({
           "impl": impl, "dtype": args.dtype, "batch": args.batch, "seq_q": 1,
           "seq_k": seq_k, "heads_q": args.heads, "heads_kv": args.heads_kv,
           "head_dim": args.head_dim, "head_dim_v": args.head_dim, "causal": True,
           "window": None, "variant": variant, "op": "fwd", "tflops": None,
-          "ms": round(ms, 4), "gbps": round(gbps, 1), "gpu": device.device_kind,
+          "ms": round(ms, 4), "gbps": round(gbps, 1),
+          "ms_chained": round(chained_ms, 4), "chained_steps": args.chain, "gpu": device.device_kind,
           "jax": jax.__version__, "date": benchmark.datetime.date.today().isoformat(),
           "matmul_ceiling_tflops": None, "kernel_outputs": kernels})
   if args.out:

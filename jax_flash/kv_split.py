@@ -26,6 +26,13 @@ from jax_flash import configs
 # runs 9-10): 8 chunks of 512 keys took 0.039 ms against 0.115 unsplit at
 # 4096 keys, but 4 chunks of 256 took 0.072 against 0.044 at 1024 keys (the
 # merge's launches outweigh a short kernel). So no split below 4096 keys.
+# The chunk count aims at configs' kv_split_ctas CTAs. Per step of 16
+# dependent steps in one call (GPU time; results run 85), batch 8 at 4k /
+# 16k / 64k keys: 0.0317 / 0.1014 / 0.3654 ms aiming at one wave (132 CTAs)
+# against 0.0339 / 0.1025 / 0.3804 at two and 0.0329 / 0.1034 / 0.3905 at
+# half a wave; batch 4 with 64 / 8 heads 0.0312 / 0.0992 / 0.3639 against
+# 0.0350 / 0.1010 / 0.3653 at two waves. Each CTA streams its chunk from
+# one prologue, so fewer, longer CTAs win while they fill the GPU.
 MIN_KEYS_TO_SPLIT = 4096
 MIN_CHUNK = 256
 MAX_PARTS = 32

@@ -227,6 +227,12 @@ def test_decode_benchmark_reads_the_kernel_calls_that_ran():
   assert bench_decode.kernel_output_shapes("%x = f32[2]{0} add(%a, %b)") == []
 
 
+def test_decode_chain_feeds_each_output_to_the_next_step():
+  steps = []
+  run = bench_decode.chained(lambda q, k, v: steps.append(q) or q * k + v, 3)
+  assert run(1, 2, 1) == 15 and steps == [1, 3, 7]
+
+
 def test_decode_benchmark_needs_a_gpu():
   if jax.default_backend() == "gpu":
     pytest.skip("a GPU is present")

@@ -48,6 +48,10 @@ def test_kv_split_parts():
   k = jax.ShapeDtypeStruct((2, 4096, 2, 64), np.float32)
   gpu = ffi.KernelCall("gpu", 0.125, 0, -1, -1)
   assert kv_split.parts(q, k, gpu, has_segments=False) == 16  # 4 CTAs; 4096 // 256 keys
+  # 32 CTAs: 4 chunks make one wave of configs' 132 CTAs (kv_split.py's measurements).
+  batch8 = jax.ShapeDtypeStruct((8, 8, 4, 128), np.float32)
+  long_k = jax.ShapeDtypeStruct((8, 16384, 4, 128), np.float32)
+  assert kv_split.parts(batch8, long_k, gpu, has_segments=False) == 4
   short = jax.ShapeDtypeStruct((2, 2048, 2, 64), np.float32)
   assert kv_split.parts(q, short, gpu, has_segments=False) == 1  # the merge would cost more
   assert kv_split.parts(q, k, gpu, has_segments=True) == 1
