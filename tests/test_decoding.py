@@ -52,8 +52,10 @@ def test_kv_split_parts():
   batch8 = jax.ShapeDtypeStruct((8, 8, 4, 128), np.float32)
   long_k = jax.ShapeDtypeStruct((8, 16384, 4, 128), np.float32)
   assert kv_split.parts(batch8, long_k, gpu, has_segments=False) == 4
-  short = jax.ShapeDtypeStruct((2, 2048, 2, 64), np.float32)
-  assert kv_split.parts(q, short, gpu, has_segments=False) == 1  # the merge would cost more
+  mid = jax.ShapeDtypeStruct((2, 2048, 2, 64), np.float32)
+  assert kv_split.parts(q, mid, gpu, has_segments=False) == 8  # 2048 // 256 keys
+  short = jax.ShapeDtypeStruct((2, 512, 2, 64), np.float32)
+  assert kv_split.parts(q, short, gpu, has_segments=False) == 1  # below MIN_KEYS_TO_SPLIT
   assert kv_split.parts(q, k, gpu, has_segments=True) == 1
   assert kv_split.parts(q, k, ffi.KernelCall("gpu", 0.125, 4092, -1, 0), False) == 1  # causal
   assert kv_split.parts(q, k, ffi.KernelCall("cpu", 0.125, 0, -1, -1), False) == 1
