@@ -62,6 +62,10 @@ class AttentionTestBase:
   # Whether gradients are bitwise reproducible run to run.
   deterministic_backward = True
   long_seq = 4097
+  # (seq_q, seq_k) of a causal hd256 problem that the Hopper forward launches
+  # in several sections of heads (cuda_src/fwd_sm90/launch_order.py); None
+  # where the backend has no such order and the size would only cost time.
+  sectioned_grid = None
 
   def check(self, *, batch=2, seq_q=113, seq_k=241, heads_q=4, heads_kv=2, head_dim=64,
             head_dim_v=None, dtype=jnp.bfloat16, causal=False, window=None, q_lens=None,
@@ -195,6 +199,16 @@ class AttentionTestBase:
     self.check(seq_q=seq, seq_k=seq + 60, heads_q=2, heads_kv=1, window=(None, 70),
                q_lens=jnp.array([seq, seq - 300], jnp.int32),
                kv_lens=jnp.array([seq + 60, seq - 500], jnp.int32), dtype=self.dtypes[0])
+
+  def test_causal_grid_in_sections(self):
+    if self.sectioned_grid is None:
+      pytest.skip("only the Hopper forward launches its grid in sections")
+    seq_q, seq_k = self.sectioned_grid
+    # Three kv heads' K / V fit the L2 budget, so the ten heads of two batch
+    # entries run as sections of 1, 3, 3 and 3 heads, two of them spanning
+    # both entries, behind a bottom-right diagonal.
+    self.check(batch=2, seq_q=seq_q, seq_k=seq_k, heads_q=5, heads_kv=5, head_dim=256,
+               causal=True, dtype=self.dtypes[0])
 
   def test_fully_masked_rows(self):
     # Bottom-right causal with seq_q > seq_k: the first 60 query rows see no key.

@@ -25,3 +25,4 @@ class TestGpu(AttentionTestBase):
   dtypes = (jnp.bfloat16, jnp.float16)
   head_dims = (64, 96, 128, 192, 256)
   deterministic_backward = False  # dQ is accumulated with fp32 atomics
+  sectioned_grid = (2050, 7000)
