@@ -16,6 +16,8 @@ and the old handler stays registered.
 import ctypes
 import dataclasses
 import functools
+import math
+import operator
 import os
 import pathlib
 
@@ -23,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _cpu_ffi, head_packing, kv_split
+from jax_flash import _cpu_ffi, configs, head_packing, kv_split
 
 _ABI_VERSION = "v2"
 # Versions whose handlers stay registered for serialized exports (v1: no
@@ -190,9 +192,10 @@ def _backward(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_boun
   *batch, seq_q, heads_q, _ = q.shape
   # The deterministic GPU kernels order their dQ additions through this
   # scratch; otherwise it is empty.
-  tiles = -(-seq_q // _SEMAPHORE_ROWS) if call.deterministic else 0
+  chains = _dq_chains(q, v, q_ids, call)
+  tiles = chains * -(-seq_q // _SEMAPHORE_ROWS) if call.deterministic else 0
   out_types = (
-      jax.ShapeDtypeStruct(q.shape, jnp.float32),
+      jax.ShapeDtypeStruct((chains, *q.shape) if chains > 1 else q.shape, jnp.float32),
       jax.ShapeDtypeStruct(k.shape, k.dtype),
       jax.ShapeDtypeStruct(v.shape, v.dtype),
       jax.ShapeDtypeStruct((*batch, heads_q, tiles), jnp.int32),
@@ -200,7 +203,25 @@ def _backward(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_boun
   kernel = jax.ffi.ffi_call(_target(call.backend, "bwd"), out_types, vmap_method="broadcast_all")
   dq, dk, dv, _ = kernel(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_bounds,
                          q_bounds, **call.attributes("bwd"))
+  if chains > 1:
+    dq = functools.reduce(operator.add, list(dq))  # in order: the same sum every run
   return dq, dk, dv
+
+
+def _dq_chains(q, v, q_ids, call: KernelCall) -> int:
+  """How many dQ accumulators the backward kernel gets (kernel_api.h:
+  dq_chains): more only where Hopper's deterministic kernel runs without a
+  mask, the only case in which it uses them (cuda_src/bwd_sm90/warp_roles.py,
+  "dQ chains")."""
+  if not (call.deterministic and call.backend == "gpu" and (gpu_compute_capability() or (0,))[0] == 9):
+    return 1
+  if call.window_left >= 0 or call.window_right >= 0:
+    return 1
+  serves = configs.sm90_backward_serves(
+      deterministic=True, has_segments=q_ids.shape[-1] > 0, softcap=call.softcap > 0,
+      batch=math.prod(q.shape[:-3]), heads_kv=v.shape[-2])
+  dims = (q.shape[-1], v.shape[-1])
+  return configs.SM90_DETERMINISTIC_DQ_CHAINS.get(dims, 1) if serves else 1
 
 
 @functools.cache

@@ -4,7 +4,7 @@ consumers; hd192: the split-head-dim backward with its TMA dQ tile; hd256:
 the same with dQ written over its spent Q / dO stage; 192 / 128: the forward
 with V and O narrower than Q, O staged over part of Q's buffer), each
 backward also in its deterministic variant (dQ turns between CTAs, several
-dQ writer warps), and a long non-causal forward at hd128, whose CTAs pair up
+dQ writer warps; two dQ accumulators at hd192 and 192 / 128 without a mask), and a long non-causal forward at hd128, whose CTAs pair up
 to multicast K / V (kernel.py kv_multicast)."""
 
 import jax

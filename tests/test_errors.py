@@ -1,5 +1,6 @@
 """Every caller mistake gets an error naming the argument, expected and got."""
 
+import dataclasses
 import functools
 import re
 
@@ -150,6 +151,73 @@ def test_hopper_takes_narrow_values_unpadded():
   attend = functools.partial(attend, segment_ids=ids, deterministic=True)
   grads = jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).sum(), argnums=2))
   assert "stablehlo.pad" in grads.lower(q, k, v).as_text()
+
+
+def test_two_dq_chains_only_for_hopper_deterministic_kernels(monkeypatch):
+  q, v = jnp.zeros((2, 64, 4, 192)), jnp.zeros((2, 64, 2, 128))
+  no_ids, ids = jnp.zeros((2, 0), jnp.int32), jnp.zeros((2, 64), jnp.int32)
+  call = ffi.KernelCall(backend="gpu", scale=0.1, diag_offset=0, window_left=-1, window_right=-1,
+                        deterministic=True)
+  chains = functools.partial(ffi._dq_chains, q, v, no_ids)
+  monkeypatch.setattr(ffi, "gpu_compute_capability", lambda: (9, 0))
+  assert chains(call) == jax_flash.configs.SM90_DETERMINISTIC_DQ_CHAINS[192, 128] == 2
+  assert ffi._dq_chains(q, jnp.zeros((2, 64, 2, 192)), no_ids, call) == 2
+  assert ffi._dq_chains(q[..., :128], v, no_ids, call) == 1  # one is faster there
+  assert ffi._dq_chains(q, v, ids, call) == 1  # the sm80 kernels serve it
+  assert chains(dataclasses.replace(call, softcap=5.0)) == 1
+  assert chains(dataclasses.replace(call, window_right=0)) == 1
+  assert chains(dataclasses.replace(call, window_left=100)) == 1
+  assert chains(dataclasses.replace(call, deterministic=False)) == 1
+  assert chains(dataclasses.replace(call, backend="cpu")) == 1
+  monkeypatch.setattr(ffi, "gpu_compute_capability", lambda: (8, 0))
+  assert chains(call) == 1
+
+
+def _cpu_backward_with_chains(chains, deterministic=True):
+  cpu = jax.devices("cpu")[0]
+  rng = np.random.default_rng(0)
+  shapes = qkv(k_shape=(2, 16, 4, 64))  # no GQA: the call goes through unpacked
+  q, k, v = (jax.device_put(rng.standard_normal(x.shape, np.float32), cpu) for x in shapes)
+  call = ffi.KernelCall(backend="cpu", scale=0.125, diag_offset=0, window_left=-1, window_right=-1,
+                        deterministic=deterministic)
+  lens = jax.device_put((jnp.full((2,), 16, jnp.int32),) * 2, cpu)
+  out, lse = ffi.forward(q, k, v, *lens, *ffi.no_segments(q), call)
+  delta = jnp.einsum("btnh,btnh->bnt", out, out)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(ffi, "_dq_chains", lambda *_: chains)
+    return jax.block_until_ready(
+        ffi.backward(q, k, v, out, lse, delta, *lens, *ffi.no_segments(q), call))
+
+
+def test_handler_takes_dq_chains_and_zeroes_all_but_the_first():
+  """kernel_api.h: dq_accum may hold two accumulators in a deterministic
+  backward; kernels that fill one zero the other, so the sum is dQ."""
+  one, two = _cpu_backward_with_chains(1), _cpu_backward_with_chains(2)
+  for a, b in zip(one, two):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(Exception, match=r"dq_accum must have q's shape \(2, 16, 4, 64\), or that after "
+                                      r"a leading 1 or 2, got \(3, 2, 16, 4, 64\)"):
+    _cpu_backward_with_chains(3)
+  with pytest.raises(Exception, match=r"dq_accum must have q's shape \(2, 16, 4, 64\), got "
+                                      r"\(2, 2, 16, 4, 64\)"):
+    _cpu_backward_with_chains(2, deterministic=False)
+
+
+@pytest.mark.gpu
+def test_hopper_deterministic_backward_takes_two_dq_accumulators():
+  if (ffi.gpu_compute_capability() or (0,))[0] != 9:
+    pytest.skip("the two-chain deterministic kernels are Hopper's")
+  q = k = jnp.zeros((1, 64, 2, 192), jnp.bfloat16)
+  v = jnp.zeros((1, 64, 2, 128), jnp.bfloat16)
+
+  def accumulators(**kw):
+    attend = functools.partial(jax_flash.attention, implementation="gpu", **kw)
+    grads = jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).sum()))
+    return re.findall(r"f32\[(\d+,)?1,64,2,192\]", grads.lower(q, k, v).compile().as_text())
+
+  assert "2," in accumulators(deterministic=True) and "2," not in accumulators()
+  assert "2," not in accumulators(deterministic=True, segment_ids=jnp.zeros((1, 64), jnp.int32))
+  assert "2," not in accumulators(deterministic=True, causal=True)
 
 
 def test_forcing_gpu_without_gpu_raises():

@@ -195,10 +195,10 @@ class FlashBwdSm90(ProducerWarps):
         mDelta: cute.Tensor,  # [B, Hq, T] f32
         mQLens: cute.Tensor,  # [B] i32
         mKVLens: cute.Tensor,  # [B] i32
-        mdQ: cute.Tensor,  # [B, T, Hq, D] f32, zeroed by the caller
+        mdQ: cute.Tensor,  # [chains x B, T, Hq, D] f32, zeroed by the caller (chains: MAX_DQ_CHAINS)
         mdK: cute.Tensor,  # [B, S, Hkv, D]
         mdV: cute.Tensor,  # [B, S, Hkv, Dv]
-        mDqSem: cute.Tensor,  # [B, Hq, ceil(T / 32)] i32, zeroed; deterministic only
+        mDqSem: cute.Tensor,  # [B, Hq, chains x ceil(T / 32)] i32, zeroed; deterministic only
         scale: Float32,
         softcap: Float32,
         key_lo: Int32,
@@ -433,8 +433,9 @@ class FlashBwdSm90(ProducerWarps):
                 )
             if warp_idx >= DQ_WARP and warp_idx < DQ_WARP + self.dq_writers:
                 self._write_dq(
-                    tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, hi, q_len, kv_len, n_block, kv_head, batch, group,
-                    m_block_min, m_blocks, rotation, rotated_kv_blocks, n_iters, warp_idx - DQ_WARP,
+                    tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, hi, q_len, kv_len, n_block, kv_head, batch,
+                    mdK.shape[0], group, m_block_min, m_blocks, rotation, rotated_kv_blocks, n_iters,
+                    warp_idx - DQ_WARP,
                 )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)

@@ -138,6 +138,8 @@ extern "C" int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream_ptr, char*
       e = jax_flash_launch::CachedDeviceAttribute<cudaDevAttrMultiProcessorCount>(device, &sms);
     if (e != cudaSuccess) return Fail(err, err_len, "jax_flash_bwd_sm90: SM count: %s", cudaGetErrorString(e));
     launch_args.deterministic = std::max(1, sms / 2);
+    // Every chain of dq_accum, as batch entries after the first chain's.
+    launch_args.dq.shape[0] = p.batch * args->dq_chains;
   }
   if (launch(launch_args, stream, err, err_len) != 0) return 1;
   cudaError_t e = cudaGetLastError();

@@ -58,7 +58,7 @@ struct BwdLaunchArgs {
   int32_t deterministic;
 };
 
-// Query tiles per (batch, head) in dq_semaphore (kernel_api.h).
+// Query tiles per (batch, head) and dQ chain in dq_semaphore (kernel_api.h).
 inline int32_t SemaphoreTiles(int32_t seqlen_q) { return (seqlen_q + 31) / 32; }
 
 // Element counts of the problem's query-side and key-side tensors: q (and
@@ -96,6 +96,9 @@ inline int CheckBwdOperands(const JfBwdArgs* args, BwdSizes n, bool seg, const c
       {args->kv_segment_ids, "kv_segment_ids", seg && has_q && has_kv, 4},
       {args->q_bounds, "q_bounds", seg && has_q && has_kv, 4},
   };
+  if (args->dq_chains < 1 || args->dq_chains > 2 || (args->dq_chains > 1 && args->problem.deterministic != 1))
+    return Fail(err, err_len, "%s: dq_chains must be 1, or 2 with deterministic = 1; got %d", who,
+                int(args->dq_chains));
   for (const auto& e : ptrs) {
     if (!e.needed) continue;
     if (e.ptr == nullptr) return Fail(err, err_len, "%s: %s is NULL", who, e.name);
@@ -105,7 +108,7 @@ inline int CheckBwdOperands(const JfBwdArgs* args, BwdSizes n, bool seg, const c
   return 0;
 }
 
-// Zeroes dq_accum (the kernels add into it). When there is no query or no
+// Zeroes dq_accum, every chain of it (the kernels add into it). When there is no query or no
 // key every gradient is zero, so dk and dv are zeroed too and *done is set:
 // nothing is left to launch.
 inline int ZeroBwdOutputs(const JfBwdArgs* args, BwdSizes n, cudaStream_t stream, const char* who,
@@ -114,12 +117,12 @@ inline int ZeroBwdOutputs(const JfBwdArgs* args, BwdSizes n, cudaStream_t stream
   *done = false;
   cudaError_t e = cudaSuccess;
   if (n.q_elems > 0) {
-    e = cudaMemsetAsync(args->dq_accum, 0, n.q_elems * sizeof(float), stream);
+    e = cudaMemsetAsync(args->dq_accum, 0, args->dq_chains * n.q_elems * sizeof(float), stream);
     if (e != cudaSuccess) return Fail(err, err_len, "%s: zeroing dq_accum: %s", who, cudaGetErrorString(e));
   }
   const JfProblem& p = args->problem;
   if (n.q_elems > 0 && p.deterministic == 1) {
-    const size_t turns = size_t(p.batch) * p.heads_q * SemaphoreTiles(p.seqlen_q);
+    const size_t turns = size_t(p.batch) * p.heads_q * args->dq_chains * SemaphoreTiles(p.seqlen_q);
     e = cudaMemsetAsync(args->dq_semaphore, 0, turns * sizeof(int32_t), stream);
     if (e != cudaSuccess) return Fail(err, err_len, "%s: zeroing dq_semaphore: %s", who, cudaGetErrorString(e));
   }
@@ -170,12 +173,12 @@ inline BwdLaunchArgs MakeBwdLaunchArgs(const JfBwdArgs* args) {
   a.k = bthd(args->k, S, Hkv, D);
   a.v = bthd(args->v, S, Hkv, Dv);
   a.dout = bthd(args->dout, T, Hq, Dv);
-  a.dq = bthd(args->dq_accum, T, Hq, D);
+  a.dq = bthd(args->dq_accum, T, Hq, D);  // the first chain (the sm90 launcher may widen it)
   a.dk = bthd(args->dk, S, Hkv, D);
   a.dv = bthd(args->dv, S, Hkv, Dv);
   a.lse = bht(args->lse);
   a.delta = bht(args->delta);
-  const int32_t tiles = SemaphoreTiles(T);
+  const int32_t tiles = args->dq_chains * SemaphoreTiles(T);
   a.dq_sem = Bht{args->dq_semaphore, {B, Hq, tiles}, {int64_t{Hq} * tiles, int64_t{tiles}}};
   a.q_lens = Lens{const_cast<int32_t*>(args->q_lens), {B}};
   a.kv_lens = Lens{const_cast<int32_t*>(args->kv_lens), {B}};

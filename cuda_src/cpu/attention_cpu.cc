@@ -10,6 +10,7 @@
 //
 // The forward and backward kernels live in attention_cpu_fwd.cc and
 // attention_cpu_bwd.cc; this file checks the arguments and dispatches.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -153,7 +154,16 @@ int run_backward(const JfBwdArgs* args, char* err, size_t err_len) {
       {"kv_segment_ids", args->kv_segment_ids, no_seg || no_k},
       {"q_bounds", args->q_bounds, no_seg || no_k}};
   if (const int rc = check_pointers(operands, kEntry, err, err_len)) return rc;
+  const int chains = args->dq_chains;
+  if (chains < 1 || chains > 2 || (chains > 1 && args->problem.deterministic != 1)) {
+    return fail(err, err_len, kEntry,
+                "dq_chains must be 1, or 2 with deterministic = 1; got %d", chains);
+  }
   if (!no_q || !no_k) backward_cpu(*args, g);
+  if (!no_q && chains > 1) {  // one pass fills the first; the sum needs zeros after it
+    const size_t q_elems = size_t(g.batch) * g.seqlen_q * g.heads_q * g.head_dim;
+    std::fill(args->dq_accum + q_elems, args->dq_accum + chains * q_elems, 0.0f);
+  }
   if (err != nullptr && err_len > 0) err[0] = '\0';
   return 0;
 }

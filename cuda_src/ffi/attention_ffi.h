@@ -96,6 +96,8 @@ struct Options {
 // Rows of dq_semaphore per (batch, head): the smallest query tile of any
 // GPU backward kernel is 32 rows.
 constexpr int64_t kSemaphoreRows = 32;
+// dQ accumulators of the deterministic backward (kernel_api.h: dq_chains).
+constexpr int64_t kMaxDqChains = 2;
 
 // Validates q, k, v, q_lens, kv_lens and fills the shared problem description.
 inline ffi::Error MakeProblem(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
@@ -264,10 +266,20 @@ ffi::Error AttentionBackward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k
     return e;
   if (auto e = CheckStats("lse", lse, p); e.failure()) return e;
   if (auto e = CheckStats("delta", delta, p); e.failure()) return e;
-  if (auto e = CheckLike("dq_accum", *dq_accum, ffi::DataType::F32, p.batch, p.seqlen_q, p.heads_q,
-                         p.head_dim);
+  // dq_accum: q's shape, or [chains, *q.shape] (kernel_api.h).
+  int64_t chains = 1;
+  if (dq_accum->dimensions().size() == q.dimensions().size() + 1) chains = dq_accum->dimensions()[0];
+  if (chains < 1 || chains > kMaxDqChains || (chains > 1 && !p.deterministic)) {
+    return Invalid("dq_accum must have q's shape " + ShapeString(q.dimensions()) +
+                   (p.deterministic ? ", or that after a leading 1 or " + std::to_string(kMaxDqChains)
+                                    : std::string()) +
+                   ", got " + ShapeString(dq_accum->dimensions()));
+  }
+  if (auto e = CheckLike("dq_accum", *dq_accum, ffi::DataType::F32, chains * p.batch, p.seqlen_q,
+                         p.heads_q, p.head_dim);
       e.failure())
     return e;
+  args.dq_chains = static_cast<int32_t>(chains);
   if (auto e = CheckLike("dk", *dk, type, p.batch, p.seqlen_k, p.heads_kv, p.head_dim); e.failure())
     return e;
   if (auto e = CheckLike("dv", *dv, type, p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v); e.failure())
@@ -277,7 +289,7 @@ ffi::Error AttentionBackward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k
     if (dq_semaphore == nullptr) return Invalid("deterministic needs the dq_semaphore output");
     const int64_t tiles = (int64_t{p.seqlen_q} + kSemaphoreRows - 1) / kSemaphoreRows;
     if (auto e = ExpectElements("dq_semaphore", *dq_semaphore, ffi::DataType::S32,
-                                int64_t{p.batch} * p.heads_q * tiles);
+                                int64_t{p.batch} * p.heads_q * chains * tiles);
         e.failure())
       return e;
     args.dq_semaphore = static_cast<int32_t*>(dq_semaphore->untyped_data());

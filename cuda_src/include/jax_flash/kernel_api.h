@@ -13,10 +13,14 @@
 //                                        that sees no key
 //   delta    [batch, heads_q, seqlen_q]  float32, rowsum(dout * o) - dlse
 //   q_lens, kv_lens [batch] int32        valid prefix of each sequence
-//   dq_accum [batch, seqlen_q, heads_q, head_dim] float32, final (scaled) dQ
+//   dq_accum [dq_chains, batch, seqlen_q, heads_q, head_dim] float32: the
+//            (scaled) dQ is the sum of the dq_chains accumulators in order
+//            (one but for the deterministic backward, where the sm90 kernels
+//            take two and the others fill the first and zero the rest)
 //   dk, dv   like k, v, in the input dtype
-//   dq_semaphore [batch, heads_q, ceil(seqlen_q / 32)] int32, scratch of the
-//            deterministic backward (problem.deterministic = 1), else NULL
+//   dq_semaphore [batch, heads_q, dq_chains * ceil(seqlen_q / 32)] int32,
+//            scratch of the deterministic backward (problem.deterministic =
+//            1), else NULL
 //
 // Query head h reads key/value head h / (heads_q / heads_kv).
 //
@@ -113,6 +117,7 @@ typedef struct JfBwdArgs {
   const int32_t* kv_bounds;
   const int32_t* q_bounds;
   int32_t* dq_semaphore;
+  int32_t dq_chains;  // 1, or up to 2 with problem.deterministic = 1
 } JfBwdArgs;
 
 // Return 0 on success. On failure return non-zero and write a NUL-terminated
