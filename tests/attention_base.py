@@ -63,9 +63,8 @@ class AttentionTestBase:
   deterministic_backward = True
   long_seq = 4097
   # (seq_q, seq_k) of a causal hd256 problem that the Hopper forward launches
-  # in several sections of heads (cuda_src/common/launch_order.py); None
-  # where the backend has no such order and the sizes would only cost time
-  # (this and test_causal_backward_grid_in_sections).
+  # in several sections of heads (cuda_src/fwd_sm90/launch_order.py); None
+  # where the backend has no such order and the size would only cost time.
   sectioned_grid = None
 
   def check(self, *, batch=2, seq_q=113, seq_k=241, heads_q=4, heads_kv=2, head_dim=64,
@@ -210,17 +209,6 @@ class AttentionTestBase:
     # both entries, behind a bottom-right diagonal.
     self.check(batch=2, seq_q=seq_q, seq_k=seq_k, heads_q=5, heads_kv=5, head_dim=256,
                causal=True, dtype=self.dtypes[0])
-
-  def test_causal_backward_grid_in_sections(self):
-    if self.sectioned_grid is None:
-      pytest.skip("only the Hopper kernels have sectioned launch orders")
-    # Causal GQA at sizes no tile divides. Built with the sectioned launch
-    # (cuda_src/bwd_sm90/export.py --sectioned-launch) the Hopper backward
-    # fits five of the six kv heads of the two batch entries in its L2
-    # budget (hd128, two query heads per kv head, 2100 rows): a section of
-    # one head, then one spanning both entries.
-    self.check(batch=2, seq_q=2100, seq_k=2600, heads_q=6, heads_kv=3, head_dim=128, causal=True,
-               dtype=self.dtypes[0])
 
   def test_fully_masked_rows(self):
     # Bottom-right causal with seq_q > seq_k: the first 60 query rows see no key.

@@ -16,7 +16,6 @@ from jax_flash import configs as jax_flash_configs
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_attention  # noqa: E402
 import bench_decode  # noqa: E402
-import launch_order_model  # noqa: E402
 import plot_results  # noqa: E402
 
 ROW_FIELDS = {"impl", "op", "dtype", "batch", "seq_q", "seq_k", "heads_q", "heads_kv", "head_dim",
@@ -238,15 +237,3 @@ def test_decode_benchmark_needs_a_gpu():
   if jax.default_backend() == "gpu":
     pytest.skip("a GPU is present")
   assert bench_decode.main([]) == 2
-
-
-def test_launch_order_model_reorders_and_shortens_the_causal_tail():
-  # hd128 backward, causal, 8k keys, 32 heads: tile n meets 103 - 1.6 n query tiles.
-  costs = [3 + -(-(8192 - n * 128) // 80) for n in range(64)]
-  order = launch_order_model.sectioned(costs, heads=32, size=2)
-  assert sorted(order) == sorted(costs * 32)
-  assert order[:2] == [costs[0]] * 2 and order[-2:] == [costs[-1]] * 2
-  plain, ordered = launch_order_model.tail(costs, heads=32, size=2, sms=132)
-  assert plain > 1.04 and ordered < 1.01
-  # One head per section is the plain order.
-  assert launch_order_model.tail(costs, heads=32, size=1, sms=132) == (plain, plain)

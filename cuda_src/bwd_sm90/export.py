@@ -55,8 +55,7 @@ def variant_name(arch: str, dtype_tag: str, head_dim: int, head_dim_v: int, infi
     return f"jf_{infix}_{_arch_tag(arch)}_{dtype_tag}_hd{dims_tag(head_dim, head_dim_v)}"
 
 
-def _compile_variant(dtype, head_dim, head_dim_v, deterministic, has_segments, has_softcap, tile=None,
-                     sectioned_launch=False):
+def _compile_variant(dtype, head_dim, head_dim_v, deterministic, has_segments, has_softcap, tile=None):
     import cutlass
     import cutlass.cute as cute
     from kernel import FlashBwdSm90
@@ -77,8 +76,7 @@ def _compile_variant(dtype, head_dim, head_dim_v, deterministic, has_segments, h
     if has_segments:
         segments = (fake.segment_ids(fake.seqlen_q), fake.segment_ids(fake.seqlen_k),
                     fake.segment_bounds(fake.seqlen_k))
-    kernel = FlashBwdSm90(dtype, head_dim, deterministic, has_segments, tile, has_softcap, head_dim_v,
-                          sectioned_launch)
+    kernel = FlashBwdSm90(dtype, head_dim, deterministic, has_segments, tile, has_softcap, head_dim_v)
     return cute.compile(
         kernel, q, k, v, do, lse, delta, q_lens, kv_lens, dq, dk, dv, fake.dq_semaphore(),
         # scale, softcap, key_lo, key_hi, deterministic
@@ -95,11 +93,7 @@ def main(argv=None):
                                                   "split: split_head_dim, instage: dq_in_stage, "
                                                   "writersW: det_dq_writers=W")),
                ("--kinds", dict(default="", help="comma-separated name infixes, e.g. bwd90det "
-                                                 "(development aid)")),
-               ("--sectioned-launch", dict(action="store_true",
-                                           help="launch causal-like grids longest KV tile first in "
-                                                "sections of heads (timing alternatives; the "
-                                                "non-deterministic kinds only)"))],
+                                                 "(development aid)"))],
     )
     import cutlass
     from tile_config import TILE_CONFIGS, TileConfig
@@ -128,10 +122,8 @@ def main(argv=None):
                     continue  # kernel.py says why
                 name = variant_name(args.arch, dtype_tag, head_dim, head_dim_v, infix)
                 dtype = getattr(cutlass, dtype_name)
-                sectioned = args.sectioned_launch and not deterministic
                 variants.append((name, lambda d=dtype, h=head_dim, hv=head_dim_v, x=deterministic,
-                                 g=has_segments, c=has_softcap, o=sectioned:
-                                 _compile_variant(d, h, hv, x, g, c, tile, o)))
+                                 g=has_segments, c=has_softcap: _compile_variant(d, h, hv, x, g, c, tile)))
                 rows[infix].append(f"{tag}, {jf_dtype}, {head_dim}, {head_dim_v}, {name}")
 
     names = export_variants(args.out, variants)

@@ -68,7 +68,6 @@ from common.dsl_common import (
     store_existing_rows,
     wgmma_acc_as_rows_cols,
 )
-from common.launch_order import bwd_tile_of_cta
 from tile_config import TILE_CONFIGS, TileConfig
 from transposed_scores import (
     load_query_stats,
@@ -118,13 +117,12 @@ class FlashBwdSm90(ProducerWarps):
     only with the split head dim, where that fragment is 16 floats per
     thread (32 at hd64-128, which have no registers to spare); other capped
     problems run on the sm80 backward. head_dim_v (default head_dim) is the
-    width of V, dO and dV. sectioned_launch=True: common/launch_order.py's
-    causal grid order (untimed; export.py --sectioned-launch)."""
+    width of V, dO and dV."""
 
     def __init__(
         self, dtype: Type[cutlass.Numeric], head_dim: int, deterministic: bool = False,
         has_segments: bool = False, tile: Optional[TileConfig] = None, has_softcap: bool = False,
-        head_dim_v: Optional[int] = None, sectioned_launch: bool = False,
+        head_dim_v: Optional[int] = None,
     ):
         head_dim_v = head_dim_v or head_dim
         if not self.can_implement(dtype, head_dim, tile, head_dim_v):
@@ -138,9 +136,6 @@ class FlashBwdSm90(ProducerWarps):
             # The fp32 dQ tile fills a Q / dO pair (dq_in_stage) only when V is
             # as wide as Q; no unsplit tile has needed a narrower V so far.
             raise NotImplementedError("a narrower V: only split_head_dim without dq_in_stage")
-        if sectioned_launch and deterministic:
-            # A deterministic CTA waits for CTAs launched before it.
-            raise NotImplementedError("sectioned_launch: only the non-deterministic sm90 backward")
         if has_softcap and (deterministic or has_segments or not cfg.split_head_dim):
             # 1 - tanh^2 takes a score fragment of registers more: only the
             # split layout (16 floats of S^T per thread) has them to spare.
@@ -150,7 +145,6 @@ class FlashBwdSm90(ProducerWarps):
         self.head_dim_v = head_dim_v
         self.deterministic = deterministic
         self.has_segments = has_segments
-        self.sectioned_launch = sectioned_launch
         self.has_softcap = has_softcap
         self.m_block = cfg.m_block
         self.n_block = cfg.n_block
@@ -352,10 +346,6 @@ class FlashBwdSm90(ProducerWarps):
         seqlen_q = mdQ.shape[1]
         seqlen_k = mdK.shape[1]
         group = mdQ.shape[2] // mdK.shape[2]
-        if cutlass.const_expr(self.sectioned_launch):  # row_bytes: Q, dO, fp32 dQ, lse, delta
-            row_bytes = (D + self.head_dim_v) * self.dtype.width // 8 + (D + 2) * Float32.width // 8
-            n_block, kv_head, batch = bwd_tile_of_cta(
-                cute.ceil_div(seqlen_k, N), seqlen_q, seqlen_k, hi, mdK.shape[2], mdK.shape[0], group, row_bytes)
 
         # ---- which query tiles see this KV tile: key j is visible from
         # query i iff i < q_len, j < kv_len and lo <= j - i <= hi.

@@ -16,7 +16,7 @@ issuing GEMMs so that one warpgroup's softmax hides under the others' MMAs
 KV tiles are walked from the last visible one down to the first; tiles the
 mask excludes are never loaded, and only tiles that straddle a mask edge pay
 for the per-element mask. Under a causal-like mask query tiles are launched
-longest first within sections of heads (common/launch_order.py), which shortens
+longest first within sections of heads (launch_order.py), which shortens
 the tail of the grid. Without a window, neighbouring query
 tiles may pair up in a cluster whose CTAs each load half of every K / V tile
 into both (kv_multicast).
@@ -50,7 +50,7 @@ from common.dsl_common import (
     wgmma_acc_as_operand_a,
     wgmma_acc_as_rows_cols,
 )
-from common.launch_order import fwd_tile_of_cta
+from launch_order import tile_of_cta
 from online_softmax import online_softmax, quad_allreduce, rescale_rows
 from score_mask import mask_tile, unseen_leading_tiles
 from segment_ids import warp_bounds_union, warp_tile_segment
@@ -314,11 +314,11 @@ class FlashFwdSm90:
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
         m_blocks = cute.round_up(cute.ceil_div(seqlen_q, self.tile_m), self.cluster_size)
-        # Causal-like: longest query tiles first (common/launch_order.py). Clusters
+        # Causal-like: longest query tiles first (launch_order.py). Clusters
         # pair the tiles of problems without a window, all equally long.
         m_block_rev, head_q, batch = cute.arch.block_idx()
         if cutlass.const_expr(self.cluster_size == 1):
-            m_block_rev, head_q, batch = fwd_tile_of_cta(
+            m_block_rev, head_q, batch = tile_of_cta(
                 m_blocks, seqlen_q, window_right, mQ.shape[2], mK.shape[2], mQ.shape[3], seqlen_k,
                 (self.head_dim + self.head_dim_v) * self.dtype.width // 8,
             )
