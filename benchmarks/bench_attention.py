@@ -76,15 +76,19 @@ def measured_line(config, name: str, result: dict, anchor: dict | None, ceiling:
           + "".join(cells) + f"{elapsed_s:>8.0f}s")
 
 
-def measurements(impls, deterministic: bool, label: str = "") -> list:
+def measurements(impls, deterministic: bool, label: str = "", softcap: float | None = None) -> list:
   """(impl, variant, jax_flash options) to time per configuration, cuDNN first
   so that every line can print its ratio to it. ``label`` names the variant
-  of jax_flash's rows (a kernel alternative)."""
+  of jax_flash's rows (a kernel alternative); ``softcap`` adds jax_flash
+  with that cap (cuDNN's JAX API has none: its ratio is to uncapped cuDNN)."""
   plan = [(impl, label if impl == "jax_flash" else "", {})
           for impl in sorted(impls, key=lambda impl: impl != "cudnn")]
   if deterministic:
     plan.append(("jax_flash", "-".join(filter(None, (label, DETERMINISTIC))),
                  {"deterministic": True}))
+  if softcap is not None:
+    plan.append(("jax_flash", "-".join(filter(None, (label, f"softcap-{softcap:g}"))),
+                 {"softcap": softcap}))
   return plan
 
 
@@ -105,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--deterministic", action="store_true",
                       help=f"also time jax_flash with deterministic=True (rows with variant "
                            f"{DETERMINISTIC!r})")
+  parser.add_argument("--softcap", type=float,
+                      help="also time jax_flash with this logit softcap (rows with variant "
+                           "'softcap-C')")
   parser.add_argument("--variant", default="",
                       help="variant of the jax_flash rows, e.g. the name of a kernel alternative "
                            "loaded with JAX_FLASH_CUDA_LIBRARY (scripts/build_alternative.sh)")
@@ -143,7 +150,7 @@ def main(argv=None) -> int:
     print("--deterministic: jax_flash.attention has no `deterministic` keyword in this build; "
           "skipped")
     deterministic = False
-  plan = measurements(impls, deterministic, args.variant)
+  plan = measurements(impls, deterministic, args.variant, args.softcap)
   configs = sweep_configs(args.head_dims, args.seqs, causal_values, args.tokens, args.heads,
                           args.dtype)
   print(f"{len(configs)} configurations x {len(plan)} implementations", flush=True)

@@ -4,8 +4,10 @@ consumers; hd192: the split-head-dim backward with its TMA dQ tile; hd256:
 the same with dQ written over its spent Q / dO stage; 192 / 128: the forward
 with V and O narrower than Q, O staged over part of Q's buffer), each
 backward also in its deterministic variant (dQ turns between CTAs, several
-dQ writer warps; two dQ accumulators at hd192 and 192 / 128 without a mask), and a long non-causal forward at hd128, whose CTAs pair up
-to multicast K / V (kernel.py kv_multicast)."""
+dQ writer warps; two dQ accumulators at hd192 and 192 / 128 without a mask),
+the soft-capped backward at hd64 and hd128 (tanh recovered from P, dQ
+transposed), and a long non-causal forward at hd128, whose CTAs pair up to
+multicast K / V (kernel.py kv_multicast)."""
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +25,12 @@ for head_dim, head_dim_v in ((64, 64), (192, 192), (256, 256), (192, 128)):
           q, k, v, causal=causal, deterministic=deterministic, implementation="gpu").astype(jnp.float32))
       grads = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
       jax.block_until_ready(grads)
+for head_dim in (64, 128):
+  q, k, v = (jax.random.normal(key, (2, 150, 2, head_dim), jnp.bfloat16)
+             for key in jax.random.split(jax.random.key(head_dim), 3))
+  loss = lambda q, k, v: jnp.sum(jax_flash.attention(
+      q, k, v, causal=True, softcap=20.0, implementation="gpu").astype(jnp.float32))
+  jax.block_until_ready(jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v))
 keys = jax.random.split(jax.random.key(1), 3)
 q = jax.random.normal(keys[0], (2, 4097, 2, 128), jnp.bfloat16)
 k, v = (jax.random.normal(key, (2, 130, 1, 128), jnp.bfloat16) for key in keys[1:])

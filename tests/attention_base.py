@@ -234,6 +234,13 @@ class AttentionTestBase:
     self.check(dtype=dtype, head_dim=head_dim, causal=causal, softcap=1.5, seq_q=150,
                seq_k=333)
 
+  def test_softcap_saturated(self, head_dim):
+    # A cap of 0.25 on unit-variance scores saturates tanh for most pairs:
+    # 1 - tanh^2 is small there, and a backward that recovers tanh from P
+    # (bwd_sm90) must keep it accurate.
+    self.check(dtype=self.dtypes[0], head_dim=head_dim, causal=True, softcap=0.25, seq_q=200,
+               seq_k=290)
+
   def test_softcap_with_documents_and_window(self):
     ids = packed_segment_ids(14, batch=2, seq=260, num_docs=3)
     self.check(seq_q=260, seq_k=260, segment_ids=ids, window=(70, 0), softcap=3.0,

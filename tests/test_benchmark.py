@@ -137,6 +137,14 @@ def test_measurements_label_only_the_jax_flash_rows():
       ("cudnn", ""), ("jax_flash", "fwd-n192"), ("jax_flash", "fwd-n192-deterministic")]
 
 
+def test_measurements_add_the_softcap_variant_last():
+  plan = bench_attention.measurements(["jax_flash", "cudnn"], deterministic=False, label="alt",
+                                      softcap=50.0)
+  assert [(impl, variant) for impl, variant, _ in plan] == [
+      ("cudnn", ""), ("jax_flash", "alt"), ("jax_flash", "alt-softcap-50")]
+  assert plan[-1][2] == {"softcap": 50.0}
+
+
 def test_measured_line_prints_ratios_and_dashes():
   config = benchmark.Config(2, 8192, 16, 128, False)
   anchor = fake_result(fwd_ms=2.0, bwd_ms=4.0)

@@ -117,9 +117,6 @@ def main(argv=None):
             for head_dim, head_dim_v in TILE_CONFIGS:
                 if only and f"{dtype_tag}_{dims_tag(head_dim, head_dim_v)}" not in only:
                     continue
-                cfg = tile or TILE_CONFIGS[head_dim, head_dim_v]
-                if has_softcap and not cfg.split_head_dim:
-                    continue  # kernel.py says why
                 name = variant_name(args.arch, dtype_tag, head_dim, head_dim_v, infix)
                 dtype = getattr(cutlass, dtype_name)
                 variants.append((name, lambda d=dtype, h=head_dim, hv=head_dim_v, x=deterministic,

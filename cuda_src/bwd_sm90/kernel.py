@@ -59,7 +59,9 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from common.dsl_common import (
+    cap_scores,
     cap_scores_with_slope,
+    capped_score_slope,
     logit_scales,
     query_tile_of,
     rotated_order,
@@ -113,11 +115,9 @@ class FlashBwdSm90(ProducerWarps):
     (the writer warp waits for each tile's turn). It is a compile-time
     choice, unlike in the sm80 family, so that the plain variant carries no
     turn code. has_softcap=True builds the soft-capped variant (S becomes
-    tanh(S * scale / softcap) and dS is multiplied by 1 - tanh^2), so far
-    only with the split head dim, where that fragment is 16 floats per
-    thread (32 at hd64-128, which have no registers to spare); other capped
-    problems run on the sm80 backward. head_dim_v (default head_dim) is the
-    width of V, dO and dV."""
+    tanh(S * scale / softcap) and dS is multiplied by 1 - tanh^2);
+    deterministic or packed-document capped problems run on the sm80
+    backward. head_dim_v (default head_dim) is the width of V, dO and dV."""
 
     def __init__(
         self, dtype: Type[cutlass.Numeric], head_dim: int, deterministic: bool = False,
@@ -136,16 +136,20 @@ class FlashBwdSm90(ProducerWarps):
             # The fp32 dQ tile fills a Q / dO pair (dq_in_stage) only when V is
             # as wide as Q; no unsplit tile has needed a narrower V so far.
             raise NotImplementedError("a narrower V: only split_head_dim without dq_in_stage")
-        if has_softcap and (deterministic or has_segments or not cfg.split_head_dim):
-            # 1 - tanh^2 takes a score fragment of registers more: only the
-            # split layout (16 floats of S^T per thread) has them to spare.
-            raise NotImplementedError("softcap: only the plain split-head-dim sm90 backward")
+        if has_softcap and (deterministic or has_segments):
+            raise NotImplementedError("softcap: only the plain sm90 backward")
         self.dtype = dtype
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
         self.deterministic = deterministic
         self.has_segments = has_segments
         self.has_softcap = has_softcap
+        # 1 - tanh^2 is kept in a fragment next to P where that fits (the
+        # split layout: 16 floats per thread; 32 at hd64-128 spilled). Else
+        # it is recovered from P, which cost the split layout at hd256 4%
+        # causal (results run 95: 289 / 360 against 304 / 374 TFLOPS at 2k
+        # / 8k).
+        self.slope_from_probability = has_softcap and not cfg.split_head_dim
         self.m_block = cfg.m_block
         self.n_block = cfg.n_block
         self.stages = cfg.stages
@@ -455,6 +459,9 @@ class FlashBwdSm90(ProducerWarps):
     ):
         D, Dv, M, N = self.head_dim, self.head_dim_v, self.m_block, self.n_block
         split = self.split_head_dim
+        inv_scale_log2 = Float32(0.0)
+        if cutlass.const_expr(self.slope_from_probability):
+            inv_scale_log2 = Float32(1.0) / scale_log2
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - WG_THREADS
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
@@ -589,7 +596,9 @@ class FlashBwdSm90(ProducerWarps):
                 tile_differs = warp_sees_several_ids(key_seg, seg_pair)
 
             warpgroup.wait_group(1)
-            if cutlass.const_expr(self.has_softcap):
+            if cutlass.const_expr(self.slope_from_probability):
+                cap_scores(acc_S, softcap_in)
+            elif cutlass.const_expr(self.has_softcap):
                 acc_slope = cute.make_fragment_like(acc_S)
                 cap_scores_with_slope(acc_S, acc_slope, softcap_in)
             acc_S_mn = wgmma_acc_as_rows_cols(acc_S)
@@ -640,9 +649,17 @@ class FlashBwdSm90(ProducerWarps):
                     delta = sStats[tScS[0, c][1], 1, stats_stage]
                 else:
                     delta = query_stat(delta_pair, c, lane)
+                if cutlass.const_expr(self.slope_from_probability):
+                    # P's row statistic again, to recover tanh from P.
+                    if cutlass.const_expr(self.dq_transposed):
+                        row_lse = sStats[tScS[0, c][1], 0, stats_stage]
+                    else:
+                        row_lse = query_stat(lse_log2_pair, c, lane)
                 for r in cutlass.range_constexpr(n_keys):
                     acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - delta)
-            if cutlass.const_expr(self.has_softcap):
+                    if cutlass.const_expr(self.slope_from_probability):
+                        acc_dP_mn[r, c] *= capped_score_slope(acc_S_mn[r, c], row_lse, inv_scale_log2)
+            if cutlass.const_expr(self.has_softcap and not self.slope_from_probability):
                 acc_dP.store(acc_dP.load() * acc_slope.load())
             if cutlass.const_expr(self.dq_transposed):
                 rPt.store(acc_S.load().to(self.dtype))

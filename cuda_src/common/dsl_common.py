@@ -195,6 +195,18 @@ def cap_scores_with_slope(acc: cute.Tensor, slope: cute.Tensor, softcap_in: Floa
         slope.store(1.0 - t * t)
 
 
+@cute.jit
+def capped_score_slope(p: Float32, row_lse_log2: Float32, inv_scale_log2: Float32) -> Float32:
+    """1 - tanh^2 of a capped score t = tanh(S * softcap_in), recovered from
+    its probability p = exp2(t * scale_log2 - row_lse_log2), so that a
+    backward keeps no fragment of t next to P. Where p is 0 (hidden pairs;
+    rows without keys, whose lse in log2 is +inf, give NaN) the NaN-quiet
+    clamp to [-1, 1] makes the slope 0."""
+    t = (cute.math.log2(p, fastmath=True) + row_lse_log2) * inv_scale_log2
+    t = cute.arch.fmin(cute.arch.fmax(t, Float32(-1.0)), Float32(1.0))
+    return Float32(1.0) - t * t
+
+
 @dsl_user_op
 def ld_acquire_s32(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
     """ld.acquire.gpu of one int32 in global memory."""
