@@ -131,6 +131,10 @@ class ShortTile:
 # The 192-row tiles at causal 4096 ran 372 then, 390-408 once their spare
 # rows went before row 0 and their warpgroups skipped the KV tiles right of
 # their rows (results run 78), so the threshold stays at 2048.
+# Run 96, seq 1024 non-causal / causal and 2048 causal, against 363-369 /
+# 279-280 and 331-354 shipped (cuDNN 381-388 / 275-281 / 338-341): one
+# consumer at 2 CTAs per SM with 128-key tiles and 2 stages 354 / 253 / 311;
+# two consumers at one CTA per SM, 128 x 4 stages 345 / 228 / 297.
 SHORT_TILE = {
     64: ShortTile(tile_n=64, consumers=1, kv_stages=3, ctas_per_sm=3, max_seqlen_q_causal=2048,
                   max_seqlen_q=1024),
