@@ -51,7 +51,7 @@ from common.dsl_common import (
     wgmma_acc_as_rows_cols,
 )
 from launch_order import tile_of_cta
-from online_softmax import online_softmax, quad_allreduce, rescale_rows
+from online_softmax import online_softmax, quad_allreduce, rescale_rows, store_converted
 from score_mask import mask_tile, unseen_leading_tiles
 from segment_ids import warp_bounds_union, warp_tile_segment
 from tile_config import TILE_CONFIG
@@ -588,7 +588,7 @@ class FlashFwdSm90:
                       kv_len, diag_offset, window_left, window_right, row_seg, tile_seg,
                       mKVSeg, batch)
             online_softmax(acc_S_mn, row_max, row_sum, factor, scale_log2, self.conditional_rescale)
-            rP.store(acc_S.load().to(self.dtype))
+            store_converted(acc_S, rP)
 
             for i in cutlass.range(skipped + 1, num_n_blocks, unroll=1):
                 n_block = n_block_max - 1 - i
@@ -619,7 +619,7 @@ class FlashFwdSm90:
                     pipe_k.consumer_release(kv_state)
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(v_state)
-                rP.store(acc_S.load().to(self.dtype))
+                store_converted(acc_S, rP)
 
             rescale_rows(acc_O_mn, factor, self.conditional_rescale)
             pipe_v.consumer_wait(kv_state)

@@ -109,3 +109,28 @@ def quad_allreduce(value, op):
     """Reduce over the 4 lanes that share an accumulator row."""
     value = op(value, cute.arch.shuffle_sync_bfly(value, offset=2))
     return op(value, cute.arch.shuffle_sync_bfly(value, offset=1))
+
+
+@cute.jit
+def store_converted(src, dst):
+    """dst <- src in dst's 16-bit type. A fragment whose size is not a power
+    of two (hd192's 48 floats per thread, hd256's 40) is converted 8 floats
+    at a time: whole, LLVM converted it to bf16 one float at a time (fp16
+    came out in pairs) and kept each P in a register of its own until the
+    PV GEMM packed the pairs (PRMT), 24 / 20 registers more per thread. H200, results run 11 (seq
+    1k / 2k / 8k, non-causal / causal forward TFLOPS, two passes against the
+    build before): hd192 544-559 / 421-426, 612-658 / 501-522, 701-702 /
+    653-657 against 519 / 392, 591 / 496, 658 / 612; hd256 560-578 / 422-428,
+    629-636 / 514-524, 709-712 / 654-656 against 564 / 409, 622 / 514, 696 /
+    642. Powers of two already came out as packed conversions, and keep
+    their code."""
+    size = cute.size(src)
+    if cutlass.const_expr(size & (size - 1) == 0):
+        dst.store(src.load().to(dst.element_type))
+    else:
+        flat_src = cute.make_tensor(src.iterator, cute.make_layout(size))
+        flat_dst = cute.make_tensor(dst.iterator, cute.make_layout(size))
+        chunks_src = cute.logical_divide(flat_src, cute.make_layout(8))
+        chunks_dst = cute.logical_divide(flat_dst, cute.make_layout(8))
+        for j in cutlass.range_constexpr(size // 8):
+            chunks_dst[None, j].store(chunks_src[None, j].load().to(dst.element_type))

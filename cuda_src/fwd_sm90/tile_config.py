@@ -41,6 +41,16 @@ from dataclasses import dataclass
 # KiB instead of 96, which leaves room for hd128's 128-key tiles. Run 51
 # (seq 8192, FLOPs over 192 + 128 columns): 128 x 2 667-687 / 608-611;
 # 112 x 2 639 / 565; 80 x 3 608 / 551.
+# The spills at 176 keys (hd128) and 192 (hd96) came from P: converted to
+# bf16 whole, a fragment whose size is not a power of two took a register per
+# element (online_softmax.store_converted). Converted in pairs they compile
+# without spills; H200, results run 11, seq 1k / 2k / 8k non-causal /
+# causal, against the shipped tiles timed twice in the same process: hd128
+# 176 x 2 473 / 333, 540 / 457, 632 / 585 against 513-537 / 354-356,
+# 568-577 / 461-480, 628-632 / 613-622; hd96 192 x 2 392 / 281, 488 / 376,
+# 542 / 503 against 442-445 / 303-314, 479-492 / 390-409, 541-547 /
+# 502-509; hd192 112 x 2 575 / 421, 646 / 540, 698 / 668 against 544-559 /
+# 421-426, 612-658 / 501-522, 702 / 653-657 (within the spread).
 # (head_dim, head_dim_v) -> (tile_n, kv_stages, consumer warpgroups)
 TILE_CONFIG = {
     (64, 64): (128, 4, 3),
