@@ -104,6 +104,13 @@ class TileConfig:
 # process (results run 48, non-causal / causal): seq 8192 544 / 480 against
 # 498-503 / 464-469 TFLOPS (cuDNN 506 / 460), 2048 473 / 389 against 447-449
 # / 354-377, 1024 393 / 270 against 384-388 / 284-285.
+# The dV GEMM issued as soon as P^T is converted, dS^T then computed from
+# the 16-bit P^T so that the fp32 one dies (hd128 80 rows: 40 bytes
+# spilled; hd64 112 rows: none), results run 99, backward TFLOPS non-causal
+# / causal at seq 2k / 8k / 16k: hd64 337 / 258, 391 / 356, 403 / 401
+# against 391-396 / 295-302, 458-462 / 417-420, 487-489 / 469-480; hd128
+# 424 / 338, 499 / 444, 505 / 482 against 465-466 / 364-382, 559-560 /
+# 488-497, 555-560 / 541-553. Not kept.
 # Runs 27 (H100) and 9 (H200), hd64 / hd128 at 64 x 128, not kept: lse and
 # delta loaded before the S^T / dP^T GEMMs are issued, with an immediate
 # shuffle source lane, hd64 338 / 318 and hd128 449 / 439 against 343-349 /
