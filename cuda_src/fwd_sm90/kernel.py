@@ -3,8 +3,9 @@
 One CTA computes one (query tile, query head, batch) triple with a producer
 warpgroup and one to three consumer warpgroups (tile_config.py), 64 query
 rows each. Warpgroup 0 is the producer: after giving most of its registers away
-(setmaxnreg) one of its warps streams Q once and then K/V tiles with TMA
-into multi-stage shared buffers guarded by mbarrier pipelines. Each consumer
+(setmaxnreg) one of its warps streams Q once (each consumer's rows on a
+barrier of their own) and then K/V tiles with TMA into multi-stage shared
+buffers guarded by mbarrier pipelines. Each consumer
 computes S = Q K^T and O += P V for its rows with asynchronous WGMMA and
 keeps P in registers as the A operand of the PV GEMM. Within a consumer the
 softmax of tile j runs while the tensor cores work on P(j-1) V(j-1)
@@ -60,11 +61,10 @@ LN2 = math.log(2.0)
 WG_THREADS = 128  # one warpgroup
 WG_ROWS = 64  # rows of one WGMMA accumulator (m64nNk16)
 # setmaxnreg only moves registers inside the CTA's launch allocation (64K
-# registers shared by all threads): with 2 consumer warpgroups 128 * 24 +
-# 256 * 240 == 168 * 384, with 3 128 * 24 + 384 * 160 <= 128 * 512, with
-# one, two and three CTAs per SM 128 * 24 + 128 * 232 == 128 * 256 and
-# 128 * 24 + 128 * 136 == 80 * 256 (see consumer_registers). Asking for more makes the consumers' increase wait
-# forever.
+# registers shared by all threads; consumer_registers): 2 consumers 128 * 24 +
+# 256 * 240 == 168 * 384, 3: 128 * 24 + 384 * 160 <= 128 * 512; one consumer
+# at 2 / 3 CTAs per SM 128 * 24 + 128 * 232 == 128 * 256, 128 * 24 + 128 * 136
+# == 80 * 256. Asking for more makes the consumers' increase wait forever.
 PRODUCER_REGS = 24
 SMEM_PER_SM = 228 * 1024  # of which each resident CTA reserves 1 KiB
 # Named barriers (0 is __syncthreads): one per consumer for the pingpong,
@@ -238,7 +238,7 @@ class FlashFwdSm90:
 
         @cute.struct
         class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.consumers]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             sQ: cute.struct.Align[
@@ -251,7 +251,7 @@ class FlashFwdSm90:
                 cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024
             ]
 
-        self.q_bytes = cute.size_in_bytes(self.dtype, sQ_stage) * self.consumers
+        self.q_bytes = cute.size_in_bytes(self.dtype, sQ_stage)
         self.k_bytes = cute.size_in_bytes(self.dtype, sK_stage)
         self.v_bytes = cute.size_in_bytes(self.dtype, sV_stage)
         grid = (
@@ -310,6 +310,9 @@ class FlashFwdSm90:
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = warp_idx // 4
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_o):
+                cpasync.prefetch_descriptor(atom)
         tile_n = self.tile_n
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
@@ -368,14 +371,15 @@ class FlashFwdSm90:
         # Consumers release a stage with one arrive per warp, and a K / V
         # stage with one per warp of every CTA of the cluster (each CTA's
         # producer writes into all of them).
-        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.consumers)
         kv_consumer_group = pipeline.CooperativeGroup(
             pipeline.Agent.Thread, 4 * self.consumers * self.cluster_size
         )
         cluster_layout = cute.make_layout((1, self.cluster_size, 1, 1))
+        # One Q stage per consumer warpgroup: each starts once its own rows land.
         pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
-            producer_group=producer_group, consumer_group=consumer_group,
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.consumers,
+            producer_group=producer_group,
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
             tx_count=self.q_bytes, defer_sync=True,
         )
         pipe_k = pipeline.PipelineTmaAsync.create(
@@ -427,7 +431,8 @@ class FlashFwdSm90:
         pipe_q, pipe_k, pipe_v,
         head_q, head_kv, batch, wg_tile0, n_block_max, num_n_blocks,
     ):
-        """One warp: Q once, then K(n) and V(n) for n = n_block_max-1 down."""
+        """One warp: each consumer's Q once, then K(n) and V(n) for n =
+        n_block_max-1 down."""
         hd, hd_v, tile_n = self.head_dim, self.head_dim_v, self.tile_n
         gQ = cute.local_tile(mQ[None, None, head_q, batch], (WG_ROWS, hd), (None, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (tile_n, hd), (None, 0))
@@ -447,19 +452,21 @@ class FlashFwdSm90:
         tVsV, tVgV = cpasync.tma_partition(
             tma_v, rank, cluster, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
+        # Q first and whatever the KV range: its rows do not depend on the
+        # sequence lengths, whose loads would otherwise delay it.
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.consumers)
+        for w in cutlass.range_constexpr(self.consumers):
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_q, tQgQ[None, cutlass.max(wg_tile0 + w, 0)], tQsQ[None, w],
+                      tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            q_state.advance()
         if num_n_blocks > 0:
             kv_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Producer, self.kv_stages
             )
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            # K first so that the first S = Q K^T can start as soon as Q lands.
             n_block = n_block_max - 1
             pipe_k.producer_acquire(kv_state)
             self._load_kv(tma_k, tKgK[None, n_block], tKsK[None, kv_state.index], pipe_k.producer_get_barrier(kv_state))
-            pipe_q.producer_acquire(q_state)
-            for w in cutlass.range_constexpr(self.consumers):
-                cute.copy(tma_q, tQgQ[None, cutlass.max(wg_tile0 + w, 0)], tQsQ[None, w],
-                          tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             pipe_v.producer_acquire(kv_state)
             self._load_kv(tma_v, tVgV[None, n_block], tVsV[None, kv_state.index], pipe_v.producer_get_barrier(kv_state))
             kv_state.advance()
@@ -553,9 +560,9 @@ class FlashFwdSm90:
                 )
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        if num_n_blocks > 0:
-            pipe_q.consumer_wait(q_state)
+        q_state = pipeline.PipelineState(self.consumers, cutlass.Int32(0), cutlass.Int32(wg), cutlass.Int32(0))
+        # Q is always loaded, and must have landed before the CTA may exit.
+        pipe_q.consumer_wait(q_state)
         # The CTA's first KV tiles may lie right of what this warpgroup's rows
         # see (the causal diagonal of a tile taller than its KV tiles), or its
         # rows may lie outside the sequence: it passes those on without GEMMs.
