@@ -127,6 +127,13 @@ class ShortTile:
 # still lost: hd128 8192 596 / 532 against 607-620 / 564-568, hd64 8192
 # 432 / 402 against 474-481 / 422-434, hd128 causal 1024 295 against
 # 355-358. Not kept.
+# Persistent again (results run 101: 132 CTAs taking the launch order's
+# tiles in rounds, odd rounds backwards, three stages kept by storing O from
+# registers), against 2e4e659 timed before and after, seq 1024 / 8192
+# non-causal / causal: hd128 502 / 642 and 383 / 524 against 504-506 /
+# 642-659 and 356-370 / 595-608; hd64 8192 488 / 417 against 489-510 /
+# 468-469; hd256 539 / 699 and 386 / 608 against 569-577 / 748-751 and
+# 425-426 / 662-672. Not kept (benchmarks/HISTORY.md).
 # Three CTAs per SM (64-key tiles; 80 launch registers per thread, 136 for
 # the consumer), results run 64, seq 1024 / 2048, forward TFLOPS against
 # the two-CTA variant above timed before and after: 3 stages causal 277 /
