@@ -20,6 +20,7 @@ import inspect
 import itertools
 import json
 import pathlib
+import statistics
 import sys
 import time
 
@@ -76,6 +77,19 @@ def measured_line(config, name: str, result: dict, anchor: dict | None, ceiling:
           + "".join(cells) + f"{elapsed_s:>8.0f}s")
 
 
+def median_results(rounds: list) -> dict:
+  """Per implementation, the median TFLOPS of each op over the rounds that
+  measured it (``rounds``: one {name: result} dict per round)."""
+  medians = {}
+  for name in dict.fromkeys(name for results in rounds for name in results):
+    medians[name] = {}
+    for key in ("fwd_tflops", "bwd_tflops"):
+      values = [results[name][key] for results in rounds if key in results.get(name, {})]
+      if values:
+        medians[name][key] = statistics.median(values)
+  return medians
+
+
 def measurements(impls, deterministic: bool, label: str = "", softcap: float | None = None) -> list:
   """(impl, variant, jax_flash options) to time per configuration, cuDNN first
   so that every line can print its ratio to it. ``label`` names the variant
@@ -104,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
   parser.add_argument("--impls", nargs="+", default=list(benchmark.IMPLEMENTATIONS),
                       choices=benchmark.IMPLEMENTATIONS)
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="time every implementation this many times per configuration, in "
+                           "turn, and print the medians and their ratios to cuDNN's: a single "
+                           "timing moves by 2-3%% from run to run")
   parser.add_argument("--iters", type=int,
                       help="calls per timing loop (default: as many as last about 0.05 s; 5 loops)")
   parser.add_argument("--deterministic", action="store_true",
@@ -125,7 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-  args = build_parser().parse_args(argv)
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  if args.rounds < 1:
+    parser.error(f"--rounds must be >= 1, got {args.rounds}")
 
   if jax.default_backend() != "gpu":
     print("bench_attention: needs a GPU (jax.default_backend() is "
@@ -158,24 +179,33 @@ def main(argv=None) -> int:
   start = time.perf_counter()
   rows, reported_errors = [], set()
   for config in configs:
-    results = {}
-    for impl, variant, options in plan:
-      if impl == "xla" and config.seq > XLA_MAX_SEQ:
-        continue
-      name = f"{impl}:{variant}" if variant else impl
-      try:
-        result = benchmark.measure(impl, config, iters=args.iters, **options)
-      except Exception as e:  # a configuration an implementation rejects is reported, not fatal
-        print(f"{config.dims_label:>7}{config.seq:>7}{str(config.causal):>7}  {name:<24}failed: "
-              f"{benchmark.error_summary(e)}", flush=True)
-        continue
-      results[name] = result
-      rows += benchmark.rows(impl, config, result, ceiling, variant)
-      print(measured_line(config, name, result, results.get("cudnn"), ceiling,
-                          time.perf_counter() - start), flush=True)
-      if "bwd_error" in result and (name, result["bwd_error"]) not in reported_errors:
-        reported_errors.add((name, result["bwd_error"]))
-        print(f"      {name} has no backward here: {result['bwd_error']}", flush=True)
+    rounds = []
+    for round_ in range(args.rounds):
+      results = {}
+      for impl, variant, options in plan:
+        if impl == "xla" and config.seq > XLA_MAX_SEQ:
+          continue
+        name = f"{impl}:{variant}" if variant else impl
+        try:
+          result = benchmark.measure(impl, config, iters=args.iters, **options)
+        except Exception as e:  # a configuration an implementation rejects is reported, not fatal
+          print(f"{config.dims_label:>7}{config.seq:>7}{str(config.causal):>7}  {name:<24}failed: "
+                f"{benchmark.error_summary(e)}", flush=True)
+          continue
+        results[name] = result
+        rows += [dict(row, round=round_) if args.rounds > 1 else row
+                 for row in benchmark.rows(impl, config, result, ceiling, variant)]
+        print(measured_line(config, name, result, results.get("cudnn"), ceiling,
+                            time.perf_counter() - start), flush=True)
+        if "bwd_error" in result and (name, result["bwd_error"]) not in reported_errors:
+          reported_errors.add((name, result["bwd_error"]))
+          print(f"      {name} has no backward here: {result['bwd_error']}", flush=True)
+      rounds.append(results)
+    if args.rounds > 1:
+      medians = median_results(rounds)
+      for name, result in medians.items():
+        print(measured_line(config, f"{name} (median)", result, medians.get("cudnn"), ceiling,
+                            time.perf_counter() - start), flush=True)
 
   if args.out:
     existing = json.loads(args.out.read_text()) if args.out.exists() else []

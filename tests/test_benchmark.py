@@ -245,3 +245,22 @@ def test_decode_benchmark_needs_a_gpu():
   if jax.default_backend() == "gpu":
     pytest.skip("a GPU is present")
   assert bench_decode.main([]) == 2
+
+
+def test_median_results_take_each_op_over_the_rounds_that_measured_it():
+  rounds = [
+      {"cudnn": {"fwd_tflops": 100.0, "bwd_tflops": 80.0}, "jax_flash": {"fwd_tflops": 120.0}},
+      {"cudnn": {"fwd_tflops": 90.0, "bwd_tflops": 70.0},
+       "jax_flash": {"fwd_tflops": 110.0, "bwd_tflops": 75.0}},
+      {"cudnn": {"fwd_tflops": 95.0, "bwd_tflops": 60.0},
+       "jax_flash": {"fwd_tflops": 130.0, "bwd_tflops": 85.0}},
+  ]
+  medians = bench_attention.median_results(rounds)
+  assert list(medians) == ["cudnn", "jax_flash"]
+  assert medians["cudnn"] == {"fwd_tflops": 95.0, "bwd_tflops": 70.0}
+  assert medians["jax_flash"] == {"fwd_tflops": 120.0, "bwd_tflops": 80.0}
+  line = bench_attention.measured_line(
+      benchmark.Config(2, 8192, 16, 128, False, "bfloat16"), "jax_flash (median)",
+      medians["jax_flash"], medians["cudnn"], 500.0, 1.0)
+  assert "1.26" in line and "1.14" in line  # 120 / 95 and 80 / 70
+
