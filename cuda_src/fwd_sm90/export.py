@@ -68,6 +68,8 @@ def _parse_args():
     parser.add_argument("--ctas-per-sm", type=int, default=None)
     parser.add_argument("--no-kv-multicast", action="store_true",
                         help="export the pair variants without clusters (the plain kernel)")
+    parser.add_argument("--q-operand", choices=("smem", "registers"), default=None,
+                        help="where the S GEMM reads Q from (default: tile_config.Q_IN_REGISTERS)")
     args = parser.parse_args()
     # The DSL picks its target when cutlass is first imported; on a machine
     # without a GPU it would otherwise default to sm_100a.
@@ -117,6 +119,7 @@ def main():
             consumers=args.consumers or (short and short.consumers),
             ctas_per_sm=args.ctas_per_sm or (short.ctas_per_sm if short else 1),
             kv_multicast=pair and not args.no_kv_multicast,
+            q_in_registers=None if args.q_operand is None else args.q_operand == "registers",
         )
         entry = kernel.call_with_segments if has_segments else kernel
         return lambda: cute.compile(entry, *_fake_args(dtype, head_dim, head_dim_v, has_segments))

@@ -7,7 +7,8 @@ rows each. Warpgroup 0 is the producer: after giving most of its registers away
 barrier of their own) and then K/V tiles with TMA into multi-stage shared
 buffers guarded by mbarrier pipelines. Each consumer
 computes S = Q K^T and O += P V for its rows with asynchronous WGMMA and
-keeps P in registers as the A operand of the PV GEMM. Within a consumer the
+keeps P in registers as the A operand of the PV GEMM (at some head dims Q
+too, for the S GEMM: tile_config.Q_IN_REGISTERS). Within a consumer the
 softmax of tile j runs while the tensor cores work on P(j-1) V(j-1)
 (intra-warpgroup overlap), and O is rescaled for tile j while S(j+1) is
 computed; optionally a ring of named barriers makes the consumers take turns
@@ -33,7 +34,6 @@ A KV tile whose keys all carry one id (a warp vote) only masks the rows of
 other documents; ids are compared per score on the other tiles.
 """
 
-import math
 from typing import Optional, Type
 
 import cuda.bindings.driver as cuda
@@ -52,12 +52,12 @@ from common.dsl_common import (
     wgmma_acc_as_rows_cols,
 )
 from launch_order import tile_of_cta
-from online_softmax import online_softmax, quad_allreduce, rescale_rows, store_converted
+from online_softmax import online_softmax, rescale_rows, store_converted
+from output_tile import store_output_tile
 from score_mask import mask_tile, unseen_leading_tiles
 from segment_ids import warp_bounds_union, warp_tile_segment
-from tile_config import TILE_CONFIG
+from tile_config import Q_IN_REGISTERS, TILE_CONFIG
 
-LN2 = math.log(2.0)
 WG_THREADS = 128  # one warpgroup
 WG_ROWS = 64  # rows of one WGMMA accumulator (m64nNk16)
 # setmaxnreg only moves registers inside the CTA's launch allocation (64K
@@ -87,6 +87,7 @@ class FlashFwdSm90:
         consumers: int = None,
         ctas_per_sm: int = 1,
         kv_multicast: bool = False,
+        q_in_registers: bool = None,
     ):
         head_dim_v = head_dim_v or head_dim
         if not self.can_implement(dtype, head_dim, head_dim_v):
@@ -116,6 +117,13 @@ class FlashFwdSm90:
         if kv_multicast and has_segments:
             raise ValueError("FlashFwdSm90: kv_multicast needs has_segments=False")
         self.cluster_size = 2 if kv_multicast else 1
+        # Q as the register (A) operand of the S GEMM, loaded once per CTA:
+        # the GEMM then reads only K from shared memory (Q_IN_REGISTERS).
+        # Not with segments: their ids take the registers (hd128: 152 bytes
+        # spilled).
+        if q_in_registers is None:
+            q_in_registers = (head_dim, head_dim_v) in Q_IN_REGISTERS and not has_segments
+        self.q_in_registers = q_in_registers
         self.tile_m = WG_ROWS * self.consumers
         self.bar_epilogue = BAR_PINGPONG + self.consumers
         elem = dtype.width // 8
@@ -196,6 +204,7 @@ class FlashFwdSm90:
             self.dtype, self.dtype,
             warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
             cutlass.Float32, (1, 1, 1), (WG_ROWS, tile_n),
+            warpgroup.OperandSource.RMEM if self.q_in_registers else warpgroup.OperandSource.SMEM,
         )
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype,
@@ -501,7 +510,9 @@ class FlashFwdSm90:
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
         sQ_wg = sQ[None, None, wg]
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ_wg))
+        tSsQ = thr_qk.partition_A(sQ_wg)
+        # Q's shared memory tile, or its register copy (q_in_registers).
+        tSrQ = thr_qk.make_fragment_A(tSsQ)
         tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
         tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
         acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((WG_ROWS, self.head_dim_v)))
@@ -563,6 +574,8 @@ class FlashFwdSm90:
         q_state = pipeline.PipelineState(self.consumers, cutlass.Int32(0), cutlass.Int32(wg), cutlass.Int32(0))
         # Q is always loaded, and must have landed before the CTA may exit.
         pipe_q.consumer_wait(q_state)
+        if cutlass.const_expr(self.q_in_registers):
+            cute.autovec_copy(tSsQ, tSrQ)
         # The CTA's first KV tiles may lie right of what this warpgroup's rows
         # see (the causal diagonal of a tile taller than its KV tiles), or its
         # rows may lie outside the sequence: it passes those on without GEMMs.
@@ -634,9 +647,10 @@ class FlashFwdSm90:
             warpgroup.wait_group(0)
             pipe_v.consumer_release(kv_state)
 
-        self._epilogue(tidx, wg, tOsO, acc_O, acc_O_mn, tScS, row_max, row_sum,
-                       scale_log2, sO_wg, tma_o, mO, mLSE, head_q, batch, wg_tile0 + wg,
-                       row_start, q_len)
+        store_output_tile(tidx, self.bar_epilogue + wg, tOsO, acc_O, acc_O_mn, tScS, row_max,
+                          row_sum, scale_log2, sO_wg, tma_o, mO, mLSE, head_q, batch,
+                          wg_tile0 + wg, row_start, q_len, self.dtype, (WG_ROWS, self.head_dim_v),
+                          WG_THREADS)
 
     # ------------------------------------------------------------------------
     @cute.jit
@@ -682,45 +696,3 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.has_segments):
             tile_seg = warp_tile_segment(mKVSeg, batch, n_start, self.tile_n)
         return tile_seg
-
-    @cute.jit
-    def _epilogue(
-        self, tidx, wg, tOsO, acc_O, acc_O_mn, tScS, row_max, row_sum,
-        scale_log2, sO, tma_o, mO, mLSE, head_q, batch, wg_tile, row_start, q_len,
-    ):
-        """Normalise O, write LSE, and store O through this warpgroup's Q
-        buffer with one TMA store (which clips rows past seqlen_q; a tile
-        before row 0 stores nothing)."""
-        seqlen_q = mO.shape[0]
-        for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
-            total = quad_allreduce(row_sum[r], lambda a, b: a + b)
-            row = row_start + tScS[r, 0][0]
-            seen = total > 0.0 and row < q_len
-            inv = cute.arch.rcp_approx(total) if seen else cutlass.Float32(0.0)
-            lse = -cutlass.Float32.inf
-            if seen:
-                lse = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
-            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                acc_O_mn[r, c] = acc_O_mn[r, c] * inv
-            if tidx % 4 == 0 and row >= 0 and row < seqlen_q:
-                mLSE[batch, head_q, row] = lse
-
-        rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
-        rO.store(acc_O.load().to(self.dtype))
-        # Every warp of this warpgroup must be done reading Q before O lands.
-        cute.arch.barrier(barrier_id=self.bar_epilogue + wg, number_of_threads=WG_THREADS)
-        cute.autovec_copy(rO, tOsO)
-        # Generic-proxy smem writes must be visible to the TMA (async proxy).
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=self.bar_epilogue + wg, number_of_threads=WG_THREADS)
-        if tidx < 32 and wg_tile >= 0:
-            gO = cute.local_tile(
-                mO[None, None, head_q, batch], (WG_ROWS, self.head_dim_v), (wg_tile, 0),
-            )
-            tOsO_tma, tOgO = cpasync.tma_partition(
-                tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
-                cute.group_modes(gO, 0, 2),
-            )
-            cute.copy(tma_o, tOsO_tma, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -61,6 +61,21 @@ TILE_CONFIG = {
     (256, 256): (80, 2, 2),
 }
 
+# Head dims whose consumers copy their Q tile into registers once and run
+# the S GEMM with Q as the register operand, so that each of its WGMMAs
+# reads only K from shared memory. H100, bf16, 16 heads, 16k tokens,
+# forward TFLOPS, three timings each in turn with the build before
+# (results runs 108-110, three machines), non-causal / causal:
+#   hd128 seq 1k   522-524 / 371-373 against 508-516 / 361-362;
+#         seq 4k   614     / 545-551 against 611     / 552-556;
+#         seq 8k   648     / 597-624 against 638-644 / 594-604;
+#         seq 16k            660     against           652.
+# hd64 (three consumers at 160 registers) and hd256 (64 more registers
+# beside its 128 of O) spill and serialise their WGMMAs, and so does the
+# packed-document variant at hd128 (152 bytes), which keeps Q in shared
+# memory. hd96 and 192 / 128 compile without spills; not timed.
+Q_IN_REGISTERS = {(128, 128)}
+
 # (head_dim, head_dim_v) -> seqlen_q from which the launcher runs, for masks
 # without a window (non-causal) and without segments, a variant whose CTAs
 # pair up in clusters of two neighbouring query tiles and each load half of
