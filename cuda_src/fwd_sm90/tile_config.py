@@ -96,6 +96,12 @@ Q_IN_REGISTERS = {(128, 128)}
 # Nsight Compute on it (hd128, seq 8192, run 62) reads L2 throughput 53%,
 # the tensor pipe 75% busy, issue slots 36%. hd128 with 160-key tiles and two
 # stages, paired, ran 431 / 556 / 596 / 616 at 1k / 4k / 8k / 16k (run 61).
+# Under causal masks too (the cluster walking the union of its two tiles' KV
+# ranges; the lower tile skips the one it cannot see), results runs 109-110,
+# causal forward TFLOPS against the plain variant timed in turn: hd256 8k
+# 708 / 688 against 665 / 670, 4k and 16k within the spread; hd128 4k 517 /
+# 538 against 556 / 551-552, 8k 586 / 606 against 594 / 611 (run 110's
+# hd128 kernels with Q in registers on both sides). Not kept.
 KV_MULTICAST = {
     (128, 128): 4096,
     (192, 192): 4096,
