@@ -5,6 +5,8 @@ it supports; conftest.py parametrises the ``dtype`` and ``head_dim``
 arguments from those attributes.
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -188,6 +190,24 @@ class AttentionTestBase:
     assert np.all(dk[1, 50:] == 0) and np.all(dv[1, 50:] == 0)
     assert np.all(dk[2] == 0) and np.all(dv[2] == 0) and np.all(dq[2] == 0)
     assert np.all(np.isneginf(lse[1])) and np.all(np.isneginf(lse[2]))
+
+  def test_lengths_past_the_sequence_cover_it(self):
+    # The default lengths (api._whole_lengths) rely on this.
+    q, k, v, _ = numerics.random_qkv(0, 2, 113, 241, 4, 2, 64, self.dtypes[0])
+    attend = functools.partial(jax_flash.attention, q, k, v, causal=True,
+                               implementation=self.implementation)
+    longer = attend(query_seq_lengths=jnp.array([113, 500], jnp.int32),
+                    key_value_seq_lengths=jnp.array([2**31 - 1, 241], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(longer), np.asarray(attend()))
+
+  def test_default_lengths_are_no_work_per_call(self):
+    if self.implementation == "xla":
+      pytest.skip("the reference applies no lengths unless given")
+    q, k, v, _ = numerics.random_qkv(0, 16, 64, 64, 4, 4, 64, self.dtypes[0])
+    attend = functools.partial(jax_flash.attention, implementation=self.implementation)
+    compiled = jax.jit(attend).lower(q, k, v).compile().as_text()
+    # One length repeated would be a broadcast kernel launched on every call.
+    assert " broadcast(" not in compiled
 
   def test_long_rows_of_unequal_reach(self):
     # Past 2048 queries the Hopper forward's hd64 tiles are 192 rows over

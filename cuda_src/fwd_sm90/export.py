@@ -70,6 +70,9 @@ def _parse_args():
                         help="export the pair variants without clusters (the plain kernel)")
     parser.add_argument("--q-operand", choices=("smem", "registers"), default=None,
                         help="where the S GEMM reads Q from (default: tile_config.Q_IN_REGISTERS)")
+    parser.add_argument("--reduction-partials", type=int, default=None,
+                        help="chains per row in the softmax's max and sum "
+                             "(default: tile_config.REDUCTION_PARTIALS)")
     args = parser.parse_args()
     # The DSL picks its target when cutlass is first imported; on a machine
     # without a GPU it would otherwise default to sm_100a.
@@ -120,6 +123,7 @@ def main():
             ctas_per_sm=args.ctas_per_sm or (short.ctas_per_sm if short else 1),
             kv_multicast=pair and not args.no_kv_multicast,
             q_in_registers=None if args.q_operand is None else args.q_operand == "registers",
+            reduction_partials=args.reduction_partials or (short and short.reduction_partials),
         )
         entry = kernel.call_with_segments if has_segments else kernel
         return lambda: cute.compile(entry, *_fake_args(dtype, head_dim, head_dim_v, has_segments))

@@ -56,7 +56,7 @@ from online_softmax import online_softmax, rescale_rows, store_converted
 from output_tile import store_output_tile
 from score_mask import mask_tile, unseen_leading_tiles
 from segment_ids import warp_bounds_union, warp_tile_segment
-from tile_config import Q_IN_REGISTERS, TILE_CONFIG
+from tile_config import Q_IN_REGISTERS, REDUCTION_PARTIALS, TILE_CONFIG
 
 WG_THREADS = 128  # one warpgroup
 WG_ROWS = 64  # rows of one WGMMA accumulator (m64nNk16)
@@ -88,6 +88,7 @@ class FlashFwdSm90:
         ctas_per_sm: int = 1,
         kv_multicast: bool = False,
         q_in_registers: bool = None,
+        reduction_partials: int = None,
     ):
         head_dim_v = head_dim_v or head_dim
         if not self.can_implement(dtype, head_dim, head_dim_v):
@@ -124,6 +125,8 @@ class FlashFwdSm90:
         if q_in_registers is None:
             q_in_registers = (head_dim, head_dim_v) in Q_IN_REGISTERS and not has_segments
         self.q_in_registers = q_in_registers
+        self.reduction_partials = reduction_partials or REDUCTION_PARTIALS.get(
+            (head_dim, head_dim_v), 1)
         self.tile_m = WG_ROWS * self.consumers
         self.bar_epilogue = BAR_PINGPONG + self.consumers
         elem = dtype.width // 8
@@ -607,7 +610,8 @@ class FlashFwdSm90:
             mask_tile(acc_S_mn, tScS, row_start, n_block, tile_n, full_lo, full_hi, q_len,
                       kv_len, diag_offset, window_left, window_right, row_seg, tile_seg,
                       mKVSeg, batch)
-            online_softmax(acc_S_mn, row_max, row_sum, factor, scale_log2, self.conditional_rescale)
+            online_softmax(acc_S_mn, row_max, row_sum, factor, scale_log2, self.conditional_rescale,
+                           self.reduction_partials)
             store_converted(acc_S, rP)
 
             for i in cutlass.range(skipped + 1, num_n_blocks, unroll=1):
@@ -629,7 +633,8 @@ class FlashFwdSm90:
                 mask_tile(acc_S_mn, tScS, row_start, n_block, tile_n, full_lo, full_hi, q_len,
                           kv_len, diag_offset, window_left, window_right, row_seg, tile_seg,
                           mKVSeg, batch)
-                online_softmax(acc_S_mn, row_max, row_sum, factor, scale_log2, self.conditional_rescale)
+                online_softmax(acc_S_mn, row_max, row_sum, factor, scale_log2, self.conditional_rescale,
+                               self.reduction_partials)
                 # ptxas schedules the wait for the PV GEMM as early as its
                 # dependencies allow, i.e. above the softmax, which then no
                 # longer overlaps that GEMM. A memory operation that depends on

@@ -76,6 +76,20 @@ TILE_CONFIG = {
 # memory. hd96 and 192 / 128 compile without spills; not timed.
 Q_IN_REGISTERS = {(128, 128)}
 
+# (head_dim, head_dim_v) -> independent chains per row in the softmax's max
+# and sum (online_softmax.reduce_row; 1 elsewhere: one serial chain). H100,
+# bf16, 16 heads, 16k tokens, forward TFLOPS, 4 / 8 chains against 1 timed
+# in turn in one process (medians of 2, 3 and 4 timings; results runs
+# 112-114), non-causal / causal:
+#   hd64  seq 8k  498 / 468, 509 / 480 (4); 501 / 481, 500 / 477 (8) against
+#                 493 / 463, 499 / 462;
+#   hd128 seq 8k  639 / 592, 633 / 594 (4); 643 / 591, 635 / 592 (8) against
+#                 638 / 607, 638 / 595.
+# Run 116 (four timings each, 4 chains against 1): seq 8k 494 / 471 against
+# 492 / 467. The packed-document variant of a head dim shares its entry (not
+# timed); the short-sequence one has its own (ShortTile.reduction_partials).
+REDUCTION_PARTIALS = {(64, 64): 4}
+
 # (head_dim, head_dim_v) -> seqlen_q from which the launcher runs, for masks
 # without a window (non-causal) and without segments, a variant whose CTAs
 # pair up in clusters of two neighbouring query tiles and each load half of
@@ -121,6 +135,11 @@ class ShortTile:
     ctas_per_sm: int
     max_seqlen_q_causal: int
     max_seqlen_q: int
+    # Chains per row in the softmax's max and sum (REDUCTION_PARTIALS). hd64
+    # at seq 1k, 4 chains against 1, results runs 112 / 114 / 116, forward
+    # TFLOPS non-causal 366 / 381 / 358 against 380 / 373 / 370, causal 281 /
+    # 280 / 286 against 283 / 284 / 287.
+    reduction_partials: int = 1
 
 
 # With few KV tiles per query tile, the CTA's prologue (Q and the first K/V
