@@ -16,6 +16,7 @@ from jax_flash import configs as jax_flash_configs
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_attention  # noqa: E402
 import bench_decode  # noqa: E402
+import compare_variants  # noqa: E402
 import plot_results  # noqa: E402
 
 ROW_FIELDS = {"impl", "op", "dtype", "batch", "seq_q", "seq_k", "heads_q", "heads_kv", "head_dim",
@@ -264,3 +265,23 @@ def test_median_results_take_each_op_over_the_rounds_that_measured_it():
       medians["jax_flash"], medians["cudnn"], 500.0, 1.0)
   assert "1.26" in line and "1.14" in line  # 120 / 95 and 80 / 70
 
+
+
+def test_compare_variants_takes_medians_per_library_over_rounds(tmp_path, capsys):
+  config = {"head_dim": 64, "head_dim_v": 64, "seq_q": 1024, "causal": True, "op": "fwd"}
+  rows = [{**config, "impl": "cudnn", "variant": "", "tflops": 300.0}]
+  rows += [{**config, "impl": "jax_flash", "variant": f"shipped-{r}", "tflops": t}
+           for r, t in enumerate((310.0, 330.0, 320.0), 1)]
+  rows += [{**config, "impl": "jax_flash", "variant": f"tree-4-{r}", "tflops": t}
+           for r, t in enumerate((340.0, 350.0), 1)]
+  rows.append({**config, "impl": "jax_flash", "variant": "packed", "tflops": None})
+  cell = compare_variants.timings(rows)[64, 64, 1024, True, "fwd"]
+  assert cell == {"cudnn": [300.0], "shipped": [310.0, 330.0, 320.0], "tree-4": [340.0, 350.0]}
+  path = tmp_path / "rows.json"
+  path.write_text(json.dumps(rows))
+  assert compare_variants.main([str(path)]) == 0
+  header, line = capsys.readouterr().out.splitlines()
+  assert header.split() == ["configuration", "cudnn", "shipped", "tree-4"]
+  assert line.split() == ["hd64", "1024", "causal", "fwd", "300", "320", "[310-330]", "345", "[340-350]"]
+  path.write_text("[]")
+  assert compare_variants.main([str(path)]) == 1
