@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "timing moves by 2-3%% from run to run")
   parser.add_argument("--iters", type=int,
                       help="calls per timing loop (default: as many as last about 0.05 s; 5 loops)")
+  parser.add_argument("--forward-only", action="store_true",
+                      help="time the forward alone (forward kernel alternatives): half the "
+                           "time of a sweep")
   parser.add_argument("--deterministic", action="store_true",
                       help=f"also time jax_flash with deterministic=True (rows with variant "
                            f"{DETERMINISTIC!r})")
@@ -187,7 +190,8 @@ def main(argv=None) -> int:
           continue
         name = f"{impl}:{variant}" if variant else impl
         try:
-          result = benchmark.measure(impl, config, iters=args.iters, **options)
+          result = benchmark.measure(impl, config, iters=args.iters,
+                                     backward=not args.forward_only, **options)
         except Exception as e:  # a configuration an implementation rejects is reported, not fatal
           print(f"{config.dims_label:>7}{config.seq:>7}{str(config.causal):>7}  {name:<24}failed: "
                 f"{benchmark.error_summary(e)}", flush=True)

@@ -80,6 +80,14 @@ def test_rows_leave_out_a_failed_backward():
   assert rows[0]["matmul_ceiling_tflops"] is None
 
 
+def test_forward_only_measures_and_reports_no_backward():
+  assert bench_attention.build_parser().parse_args(["--forward-only"]).forward_only
+  config = benchmark.Config(1, 96, 2, 64, True)
+  result = benchmark.measure("jax_flash", config, iters=1, backward=False)
+  assert set(result) == {"fwd_ms", "fwd_tflops"} and result["fwd_ms"] > 0
+  assert [row["op"] for row in benchmark.rows("jax_flash", config, result, None)] == ["fwd"]
+
+
 def test_attention_fn_rejects_unknown_names_and_stray_options():
   config = benchmark.Config(1, 128, 2, 64, False)
   with pytest.raises(ValueError, match="unknown implementation 'flash3'"):

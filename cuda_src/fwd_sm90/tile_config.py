@@ -192,7 +192,15 @@ class ShortTile:
 # 279-280 and 331-354 shipped (cuDNN 381-388 / 275-281 / 338-341): one
 # consumer at 2 CTAs per SM with 128-key tiles and 2 stages 354 / 253 / 311;
 # two consumers at one CTA per SM, 128 x 4 stages 345 / 228 / 297.
+# Since the plain hd64 kernel's reductions run as four chains (0ce39c0), it
+# overtakes this variant at non-causal 1024 (results runs 118-119, the plain
+# kernel exported under this variant's name, against the shipped build in
+# turn, forward TFLOPS, median [range] of 3 + 4 rounds, cuDNN 388-391):
+# non-causal 1024 391 [390-395] and 391 [367-392] against 370 [362-375] and
+# 374 [365-384]; 768 369 [367-370] against 363 [359-374]; 512 304 against
+# 332; causal 512 / 768 / 1024 / 1536 / 2048 164 / 222 / 253 / 310 / 353
+# against 217 / 263 / 294 / 323 / 357. So non-causal stops at 768.
 SHORT_TILE = {
     64: ShortTile(tile_n=64, consumers=1, kv_stages=3, ctas_per_sm=3, max_seqlen_q_causal=2048,
-                  max_seqlen_q=1024),
+                  max_seqlen_q=768),
 }
