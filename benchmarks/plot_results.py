@@ -15,6 +15,7 @@ once is drawn from its last row, since results files append runs in order.
 import argparse
 import json
 import pathlib
+import statistics
 import sys
 
 OPS = ("fwd", "bwd")
@@ -32,14 +33,21 @@ def series_name(row: dict, several_dtypes: bool) -> str:
 def collect_points(rows: list) -> dict:
   """``{(op, (head_dim, head_dim_v), series, causal): {seq: tflops}}`` from the rows that
   have TFLOPS (packed-document rows carry milliseconds only); later rows of
-  the same configuration replace earlier ones."""
+  the same configuration replace earlier ones, except that the rounds of one
+  ``--rounds`` sweep (rows with ``round`` 1, 2, ... after round 0) give their
+  median."""
   timed = [r for r in rows if r.get("op") in OPS and r.get("tflops") is not None]
   several_dtypes = len({r["dtype"] for r in timed}) > 1
-  points = {}
+  rounds = {}
   for row in timed:
     dims = (row["head_dim"], row.get("head_dim_v") or row["head_dim"])
-    key = (row["op"], dims, series_name(row, several_dtypes), row["causal"])
-    points.setdefault(key, {})[row["seq_q"]] = row["tflops"]
+    slot = (row["op"], dims, series_name(row, several_dtypes), row["causal"]), row["seq_q"]
+    if row.get("round", 0) == 0:
+      rounds[slot] = []
+    rounds.setdefault(slot, []).append(row["tflops"])
+  points = {}
+  for (key, seq), values in rounds.items():
+    points.setdefault(key, {})[seq] = statistics.median(values)
   return points
 
 

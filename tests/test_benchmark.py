@@ -193,6 +193,14 @@ def test_collect_points_keeps_the_last_row_of_a_configuration():
   assert len(points) == 2 * 2 * 2  # op x head dim x causal, one series
 
 
+def test_collect_points_takes_the_median_of_a_sweeps_rounds():
+  rounds = [sweep_rows(scale=scale, round=i) for i, scale in enumerate((1.0, 4.0, 2.0))]
+  later = sweep_rows(scale=8.0, round=0)
+  curve = lambda points: points["fwd", (64, 64), "jax_flash", False][1024]
+  assert curve(plot_results.collect_points(sum(rounds, []))) == rounds[2][0]["tflops"]
+  assert curve(plot_results.collect_points(sum(rounds, []) + later)) == later[0]["tflops"]
+
+
 def test_collect_points_names_variants_and_mixed_dtypes():
   rows = (sweep_rows() + sweep_rows(variant="deterministic")
           + [{**row, "tflops": None} for row in sweep_rows(impl="cudnn", variant="packed-8-docs")])
