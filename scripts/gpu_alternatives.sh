@@ -3,7 +3,10 @@
 # build on one GPU: cuDNN once, then ROUNDS rounds (default 3) in which the
 # shipped build and every library in .gpu/alt take their turn, so that each
 # difference can be read against the spread of the shipped build's own
-# timings (one timing moves by 2-3% from run to run).
+# timings (one timing moves by 2-3% from run to run). The shipped build also
+# closes each round as "control": the same kernels in another slot moved by
+# 4% at some configurations (results runs 118 and 124), so a difference
+# smaller than shipped against control is none.
 #
 #   ROUNDS=4 bash scripts/gpu_alternatives.sh AOT_DIR [bench_attention.py args...]
 #
@@ -29,5 +32,6 @@ for round in $(seq "$ROUNDS"); do
     [[ -e $library ]] || continue
     JAX_FLASH_CUDA_LIBRARY=$library bench --impls jax_flash --variant "$(basename "$library" .so)-$round" "$@"
   done
+  bench --impls jax_flash --variant "control-$round" "$@"
 done
 python3 benchmarks/compare_variants.py "$OUT/alternatives.json" | tee "$OUT/variants.txt"
