@@ -199,7 +199,10 @@ class ShortTile:
 # non-causal 1024 391 [390-395] and 391 [367-392] against 370 [362-375] and
 # 374 [365-384]; 768 369 [367-370] against 363 [359-374]; 512 304 against
 # 332; causal 512 / 768 / 1024 / 1536 / 2048 164 / 222 / 253 / 310 / 353
-# against 217 / 263 / 294 / 323 / 357. So non-causal stops at 768.
+# against 217 / 263 / 294 / 323 / 357. So non-causal stops at 768. Run 125,
+# with the shipped build timed twice per round (the same kernels moved by 4%
+# between libraries in run 118), non-causal 896 / 1024: 388 / 392 and 387 /
+# 391 against 381 / 383 for this variant exported as the plain kernel.
 SHORT_TILE = {
     64: ShortTile(tile_n=64, consumers=1, kv_stages=3, ctas_per_sm=3, max_seqlen_q_causal=2048,
                   max_seqlen_q=768),
