@@ -93,6 +93,12 @@ class TileConfig:
 # shared memory: hd192 385 / 380, hd256 388 / 385 against 382-390 / 380-383
 # and 381-387 / 392-394 shipped, so the 32-wide score GEMMs are not what
 # holds these head dims back (that trial also had a dQ bug; not kept).
+# Nsight Compute reads L2 86.8% busy at hd256 (its dQ reduction input 61.5%;
+# H100, seq 8192), but halving the Q / dO loads (clusters of two KV tiles
+# multicasting them, run 129: hd256 8k 399 / 378 against 398 / 402), the next
+# tile's score GEMMs issued under the dQ stores (run 130: 318 / 332 against
+# 400 / 403) and a conflict-free 32-byte swizzle for the dQ tile (run 131:
+# 288 / 288 against 399 / 400) all lost or tied; benchmarks/HISTORY.md.
 # hd128 at 80 query rows (TileConfig(80, 128, 2), export --tile 80,128,2,
 # FlashAttention-3's non-causal hd128 tile; shipped): 80 rows do not
 # tile WGMMA's M = 64, so dQ^T = K^T dS^T (the head dim as M, the WGs
