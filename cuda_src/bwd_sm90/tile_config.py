@@ -98,7 +98,9 @@ class TileConfig:
 # multicasting them, run 129: hd256 8k 399 / 378 against 398 / 402), the next
 # tile's score GEMMs issued under the dQ stores (run 130: 318 / 332 against
 # 400 / 403) and a conflict-free 32-byte swizzle for the dQ tile (run 131:
-# 288 / 288 against 399 / 400) all lost or tied; benchmarks/HISTORY.md.
+# 288 / 288 against 399 / 400) all lost or tied. A timing probe without the
+# dQ TMA add ran hd256 8k at 447 / 431 (run 132): the reduction costs 11-13%,
+# and the rest of the CTA stays below 1.5x cuDNN; benchmarks/HISTORY.md.
 # hd128 at 80 query rows (TileConfig(80, 128, 2), export --tile 80,128,2,
 # FlashAttention-3's non-causal hd128 tile; shipped): 80 rows do not
 # tile WGMMA's M = 64, so dQ^T = K^T dS^T (the head dim as M, the WGs
