@@ -102,8 +102,8 @@ class TileConfig:
 # dQ TMA add ran hd256 8k at 447 / 431 (run 132): the reduction costs 11-13%,
 # and the rest of the CTA stays below 1.5x cuDNN. Conflict-free dQ stores in
 # a tile-contiguous accumulator, added as one box, ran +2-5% as a probe (run
-# 133: 8k 416 / 416 against 399 / 397); benchmarks/HISTORY.md says what
-# shipping it takes.
+# 133: 8k 416 / 416 against 399 / 397), +1-7% at hd96, hd192 and 192 / 128
+# too (run 134); benchmarks/HISTORY.md says what shipping it takes.
 # hd128 at 80 query rows (TileConfig(80, 128, 2), export --tile 80,128,2,
 # FlashAttention-3's non-causal hd128 tile; shipped): 80 rows do not
 # tile WGMMA's M = 64, so dQ^T = K^T dS^T (the head dim as M, the WGs
