@@ -194,8 +194,12 @@ def _backward(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_boun
   # scratch; otherwise it is empty.
   chains = _dq_chains(q, v, q_ids, call)
   tiles = chains * -(-seq_q // _SEMAPHORE_ROWS) if call.deterministic else 0
+  rows = _dq_tile_rows(q, v, q_ids, call)
+  dq_shape = (chains, *q.shape) if chains > 1 else q.shape
+  if rows:
+    dq_shape = (chains, *batch, heads_q, -(-seq_q // rows), rows, q.shape[-1])
   out_types = (
-      jax.ShapeDtypeStruct((chains, *q.shape) if chains > 1 else q.shape, jnp.float32),
+      jax.ShapeDtypeStruct(dq_shape, jnp.float32),
       jax.ShapeDtypeStruct(k.shape, k.dtype),
       jax.ShapeDtypeStruct(v.shape, v.dtype),
       jax.ShapeDtypeStruct((*batch, heads_q, tiles), jnp.int32),
@@ -203,9 +207,52 @@ def _backward(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_boun
   kernel = jax.ffi.ffi_call(_target(call.backend, "bwd"), out_types, vmap_method="broadcast_all")
   dq, dk, dv, _ = kernel(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_bounds,
                          q_bounds, **call.attributes("bwd"))
+  if rows:
+    dq = _dq_from_tiles(dq, seq_q)
+    if chains == 1:
+      dq = dq[0]
   if chains > 1:
     dq = functools.reduce(operator.add, list(dq))  # in order: the same sum every run
   return dq, dk, dv
+
+
+def _dq_tile_rows(q, v, q_ids, call: KernelCall) -> int:
+  """The query rows of the tiles in which the Hopper backward kernels of
+  these head dims take dq_accum (kernel_api.h: dq_tile_rows), where they
+  serve the call; else 0, dq_accum in q's layout."""
+  if call.backend != "gpu" or (gpu_compute_capability() or (0,))[0] != 9:
+    return 0
+  if q.dtype not in (jnp.float16, jnp.bfloat16):
+    return 0
+  serves = configs.sm90_backward_serves(
+      deterministic=call.deterministic, has_segments=q_ids.shape[-1] > 0, softcap=call.softcap > 0,
+      batch=math.prod(q.shape[:-3]), heads_kv=v.shape[-2])
+  return _sm90_dq_tile_rows(q.shape[-1], v.shape[-1]) if serves else 0
+
+
+@functools.cache
+def _sm90_dq_tile_rows(head_dim: int, head_dim_v: int) -> int:
+  query = getattr(_cuda_library, "jax_flash_bwd_sm90_dq_tile_rows", None)
+  if query is None:  # no Hopper kernels in this build, or one from before dQ in tiles
+    return 0
+  query.argtypes = (ctypes.c_int32, ctypes.c_int32)
+  query.restype = ctypes.c_int
+  return int(query(head_dim, head_dim_v))
+
+
+def _dq_from_tiles(dq, seq_q: int):
+  """[chains, *batch, heads, tiles, 64, dim] in the element order of the
+  Hopper kernels' dQ fragments (cuda_src/bwd_sm90/wgmma_views.py:
+  store_dq_fragments) -> [chains, *batch, seq_q, heads, dim]."""
+  *lead, heads, tiles, rows, dim = dq.shape
+  if rows != 64:
+    raise NotImplementedError(f"dq_accum in tiles of {rows} query rows; the fragment order is that of 64")
+  # A tile's floats by (WG, warp, column octet, row half, lane row, lane column, pair element).
+  x = dq.reshape(*lead, heads, tiles, 2, 4, dim // 16, 2, 8, 4, 2)
+  n = len(lead)
+  rows_first = (*range(n), n + 1, n + 3, n + 5, n + 6, n, n + 2, n + 4, n + 7, n + 8)
+  x = x.transpose(rows_first).reshape(*lead, tiles * rows, heads, dim)
+  return x[..., :seq_q, :, :]
 
 
 def _dq_chains(q, v, q_ids, call: KernelCall) -> int:

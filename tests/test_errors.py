@@ -203,6 +203,62 @@ def test_handler_takes_dq_chains_and_zeroes_all_but_the_first():
     _cpu_backward_with_chains(2, deterministic=False)
 
 
+def _cpu_backward_in_tiles(rows):
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(ffi, "_dq_tile_rows", lambda *_: rows)
+    return _cpu_backward_with_chains(1, deterministic=False)
+
+
+def test_dq_accum_in_tiles_only_for_the_hopper_kernels_that_take_it():
+  """kernel_api.h: dq_tile_rows; the CPU kernels write q's layout alone."""
+  with pytest.raises(Exception, match=r"dq_accum must be in q's layout \(dq_tile_rows 0\), got "
+                                      r"dq_tile_rows 64"):
+    _cpu_backward_in_tiles(64)
+
+
+def test_dq_tile_rows_follow_the_library_where_hopper_kernels_serve(monkeypatch):
+  q, v = jnp.zeros((2, 64, 4, 256), jnp.bfloat16), jnp.zeros((2, 64, 2, 256), jnp.bfloat16)
+  no_ids, ids = jnp.zeros((2, 0), jnp.int32), jnp.zeros((2, 64), jnp.int32)
+  call = ffi.KernelCall(backend="gpu", scale=0.1, diag_offset=0, window_left=-1, window_right=-1)
+  rows = functools.partial(ffi._dq_tile_rows, q, v, no_ids)
+  monkeypatch.setattr(ffi, "_sm90_dq_tile_rows", lambda d, dv: 64 if d == 256 else 0)
+  monkeypatch.setattr(ffi, "gpu_compute_capability", lambda: (9, 0))
+  assert rows(call) == 64
+  assert rows(dataclasses.replace(call, deterministic=True)) == 64
+  assert ffi._dq_tile_rows(q, v, ids, call) == 64
+  assert ffi._dq_tile_rows(q[..., :128], v[..., :128], no_ids, call) == 0
+  assert ffi._dq_tile_rows(q.astype(jnp.float32), v, no_ids, call) == 0
+  assert ffi._dq_tile_rows(q, v, ids, dataclasses.replace(call, deterministic=True)) == 0  # sm80 serves
+  assert rows(dataclasses.replace(call, softcap=5.0, deterministic=True)) == 0
+  assert rows(dataclasses.replace(call, backend="cpu")) == 0
+  monkeypatch.setattr(ffi, "gpu_compute_capability", lambda: (8, 0))
+  assert rows(call) == 0
+
+
+@pytest.mark.parametrize("head_dim", [96, 192, 256])
+def test_dq_from_tiles_reads_the_hopper_fragment_order(head_dim):
+  """cuda_src/bwd_sm90/wgmma_views.py, store_dq_fragments: within a (WG,
+  warp) block, value pair p = h + 2 j of lane l at 64 p + 2 l holds row 16
+  warp + 8 h + l / 4, columns WG head_dim / 2 + 8 j + 2 (l % 4) and one more."""
+  rng = np.random.default_rng(head_dim)
+  seq, heads = 100, 3
+  dq = rng.standard_normal((2, 1, 2, seq, heads, head_dim)).astype(np.float32)  # chains, batch..
+  tiles = -(-seq // 64)
+  padded = np.zeros((2, 1, 2, tiles * 64, heads, head_dim), np.float32)
+  padded[:, :, :, :seq] = dq
+  wg, warp, pair, lane, e = np.meshgrid(np.arange(2), np.arange(4), np.arange(head_dim // 8),
+                                        np.arange(32), np.arange(2), indexing="ij")
+  offset = ((wg * 4 + warp) * (head_dim // 8) + pair) * 64 + lane * 2 + e
+  row = 16 * warp + 8 * (pair % 2) + lane // 4
+  col = wg * head_dim // 2 + 8 * (pair // 2) + 2 * (lane % 4) + e
+  blocks = np.zeros((2, 1, 2, heads, tiles, 64 * head_dim), np.float32)
+  for t in range(tiles):
+    tile = padded[:, :, :, t * 64:(t + 1) * 64].transpose(0, 1, 2, 4, 3, 5)  # .., heads, 64, dim
+    blocks[..., t, offset.ravel()] = tile[..., row.ravel(), col.ravel()]
+  tiled = jnp.asarray(blocks.reshape(2, 1, 2, heads, tiles, 64, head_dim))
+  np.testing.assert_array_equal(np.asarray(ffi._dq_from_tiles(tiled, seq)), dq)
+
+
 @pytest.mark.gpu
 def test_hopper_deterministic_backward_takes_two_dq_accumulators():
   if (ffi.gpu_compute_capability() or (0,))[0] != 9:
@@ -218,6 +274,24 @@ def test_hopper_deterministic_backward_takes_two_dq_accumulators():
   assert "2," in accumulators(deterministic=True) and "2," not in accumulators()
   assert "2," not in accumulators(deterministic=True, segment_ids=jnp.zeros((1, 64), jnp.int32))
   assert "2," not in accumulators(deterministic=True, causal=True)
+
+
+@pytest.mark.gpu
+def test_hopper_backward_takes_dq_in_tiles_where_its_kernels_write_them():
+  if (ffi.gpu_compute_capability() or (0,))[0] != 9:
+    pytest.skip("dQ in tiles is the Hopper kernels'")
+
+  def accumulator_types(head_dim, **kw):
+    q = k = v = jnp.zeros((1, 100, 2, head_dim), jnp.bfloat16)
+    attend = functools.partial(jax_flash.attention, implementation="gpu", **kw)
+    grads = jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).sum()))
+    return grads.lower(q, k, v).as_text()
+
+  # [chains, batch, heads, tiles, rows, head_dim]; dQ^T (80 rows at hd128) in q's layout.
+  assert "tensor<1x1x2x2x64x256xf32>" in accumulator_types(256)
+  assert "tensor<1x1x2x2x64x256xf32>" in accumulator_types(256, deterministic=True)
+  assert "tensor<1x100x2x128xf32>" in accumulator_types(128)
+  assert "x64x256xf32>" not in accumulator_types(256, softcap=5.0, deterministic=True)  # the sm80 kernels
 
 
 def test_forcing_gpu_without_gpu_raises():

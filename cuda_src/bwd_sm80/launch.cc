@@ -104,6 +104,10 @@ extern "C" int jax_flash_bwd_sm80(const JfBwdArgs* args, void* stream_ptr, char*
   if (p.heads_kv > 65535 || p.batch > 65535)
     return Fail(err, err_len, "jax_flash_bwd_sm80: batch (%d) and heads_kv (%d) must be <= 65535", p.batch,
                 p.heads_kv);
+  if (args->dq_tile_rows != 0)
+    return Fail(err, err_len,
+                "jax_flash_bwd_sm80: dq_accum must be in q's layout (dq_tile_rows 0), got dq_tile_rows %d",
+                int(args->dq_tile_rows));
 
   const jax_flash_launch::BwdSizes sizes = jax_flash_launch::SizesOf(p);
   if (sizes.q_elems == 0 && sizes.kv_elems == 0) return 0;

@@ -82,7 +82,7 @@ from transposed_scores import (
 )
 from wgmma_views import (
     WGMMA_M, as_operand_a, dq_tile_layout, issue_wgmma, key_rows_mma, smem_tile_layout, stage_pair_views,
-    tiled_mma, transposed,
+    store_dq_fragments, tiled_mma, transposed,
 )
 from warp_roles import (
     BAR_STAGE_READ,
@@ -161,6 +161,11 @@ class FlashBwdSm90(ProducerWarps):
         # the WGs splitting its head dim, or at one WGMMA's M of head dim its
         # query rows.
         self.dq_transposed = cfg.m_block % WGMMA_M != 0
+        # dQ in tiles (kernel_api.h: dq_tile_rows): dQ = dS K goes to
+        # dq_accum as contiguous query tiles in fragment order
+        # (store_dq_fragments), one TMA box per tile.
+        self.dq_in_tiles = cfg.dq_tile_rows > 0
+        assert self.dq_in_tiles != self.dq_transposed
         self.dq_splits_queries = self.dq_transposed and head_dim == WGMMA_M
         if self.dq_transposed and (cfg.split_head_dim or cfg.m_block % 16 != 0 or not self.stats_warp
                                    or not (self.dq_splits_queries or head_dim % (WGMMA_M * NUM_MMA_WG) == 0)):
@@ -199,7 +204,7 @@ class FlashBwdSm90(ProducerWarps):
         mDelta: cute.Tensor,  # [B, Hq, T] f32
         mQLens: cute.Tensor,  # [B] i32
         mKVLens: cute.Tensor,  # [B] i32
-        mdQ: cute.Tensor,  # [chains x B, T, Hq, D] f32, zeroed by the caller (chains: MAX_DQ_CHAINS)
+        mdQ: cute.Tensor,  # [chains x B, T, Hq, D] f32 or in tiles (dq_in_tiles), zeroed by the caller
         mdK: cute.Tensor,  # [B, S, Hkv, D]
         mdV: cute.Tensor,  # [B, S, Hkv, Dv]
         mDqSem: cute.Tensor,  # [B, Hq, chains x ceil(T / 32)] i32, zeroed; deterministic only
@@ -234,7 +239,7 @@ class FlashBwdSm90(ProducerWarps):
         sK_layout = smem_tile_layout(self.dtype, N, D, 1, D // NUM_MMA_WG)
         sV_layout = smem_tile_layout(self.dtype, N, Dv, 1, Dv // NUM_MMA_WG if split else Dv)  # dV staged here
         sdS_layout = smem_tile_layout(self.dtype, N, M, st, M // NUM_MMA_WG if self.dq_splits_queries else M)
-        sdQ_layout = dq_tile_layout(M, D, D // NUM_MMA_WG)
+        sdQ_layout = dq_tile_layout(M, D, D // NUM_MMA_WG, self.dq_in_tiles)
 
         # S^T = K Q^T and dP^T = V dO^T (keys as the WGMMA M), so that P^T and
         # dS^T are already the register A operands of dV += P^T dO and
@@ -263,9 +268,18 @@ class FlashBwdSm90(ProducerWarps):
         tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(g2s, seq_major(mdO), cute.slice_(sdO_layout, (None, None, 0)), (M, Dv))
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, seq_major(mK), cute.slice_(sK_layout, (None, None, 0)), (N, D))
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, seq_major(mV), cute.slice_(sV_layout, (None, None, 0)), (N, Dv))
-        tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), seq_major(mdQ), sdQ_layout, (M, D)
-        )
+        if cutlass.const_expr(self.dq_in_tiles):
+            # The launcher passes the tiles as [chains x B x Hq, tiles x M, 1]:
+            # one (rows, D) view, tile t its rows t M on.
+            rows = mdQ.shape[0] * mdQ.shape[1] * mdQ.shape[2]
+            dq_rows = cute.make_tensor(mdQ.iterator, cute.make_layout((rows, D), stride=(D, 1)))
+            tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), dq_rows, sdQ_layout.outer, (M, D)
+            )
+        else:
+            tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), seq_major(mdQ), sdQ_layout, (M, D)
+            )
 
         def buffer(dtype, cosize, used=True):
             # An unused one is empty and unaligned: 1024 bytes of alignment
@@ -347,9 +361,9 @@ class FlashBwdSm90(ProducerWarps):
             # KV tile that sees it down (query_tile_of), so a CTA waits only
             # on CTAs launched before it (or, rotated, on all of its head's).
             n_block = cute.ceil_div(mdK.shape[1], self.n_block) - 1 - n_block
-        seqlen_q = mdQ.shape[1]
+        seqlen_q = mLSE.shape[2]
         seqlen_k = mdK.shape[1]
-        group = mdQ.shape[2] // mdK.shape[2]
+        group = mLSE.shape[1] // mdK.shape[2]
 
         # ---- which query tiles see this KV tile: key j is visible from
         # query i iff i < q_len, j < kv_len and lo <= j - i <= hi.
@@ -408,7 +422,7 @@ class FlashBwdSm90(ProducerWarps):
         )
 
         if cutlass.const_expr(self.dq_in_stage):
-            sQ, sdO, sdQ = stage_pair_views(storage.sQ, sQ_layout, sdQ_layout, self.dtype, st)
+            sQ, sdO, sdQ = stage_pair_views(storage.sQ, sQ_layout, sdQ_layout, self.dtype, st, self.dq_in_tiles)
         else:
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
             sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
@@ -419,7 +433,9 @@ class FlashBwdSm90(ProducerWarps):
         sP = None
         if cutlass.const_expr(self.split_head_dim):
             sP = storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        if cutlass.const_expr(not self.dq_in_stage):
+        if cutlass.const_expr(not self.dq_in_stage and self.dq_in_tiles):
+            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer)
+        elif cutlass.const_expr(not self.dq_in_stage):
             sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
         if warp_idx < 4:
@@ -439,7 +455,7 @@ class FlashBwdSm90(ProducerWarps):
                 self._write_dq(
                     tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, hi, q_len, kv_len, n_block, kv_head, batch,
                     mdK.shape[0], group, m_block_min, m_blocks, rotation, rotated_kv_blocks, n_iters,
-                    warp_idx - DQ_WARP,
+                    warp_idx - DQ_WARP, mLSE.shape[1], seqlen_q,
                 )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -516,15 +532,18 @@ class FlashBwdSm90(ProducerWarps):
         tdSsdS = thr_r2s.partition_D(sdS)
         if cutlass.const_expr(split):
             tPsP = thr_r2s.partition_D(sP)
-        # dQ: registers -> the swizzled fp32 tile, two columns per store. dQ^T
-        # goes one element per store into the transposed view: the four rows
-        # of sdQ one store instruction writes fall in distinct banks (swizzle).
-        dq_bits, dq_view = (32, transposed(sdQ)) if self.dq_transposed else (64, sdQ)
-        r2s_dq = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=dq_bits), mma_dq
-        )
-        thr_r2s_dq = r2s_dq.get_slice(tidx)
-        tdQsdQ = thr_r2s_dq.partition_D(dq_view)  # dq_in_stage: with a stage mode
+        # dQ^T: registers -> the swizzled fp32 tile, one element per store into
+        # the transposed view: the four rows of sdQ one store instruction
+        # writes fall in distinct banks (swizzle). dQ in tiles:
+        # store_dq_fragments.
+        r2s_dq, thr_r2s_dq, tdQsdQ = None, None, None
+        if cutlass.const_expr(self.dq_transposed):
+            r2s_dq = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=32), mma_dq
+            )
+            thr_r2s_dq = r2s_dq.get_slice(tidx)
+            tdQsdQ = thr_r2s_dq.partition_D(transposed(sdQ))  # dq_in_stage: with a stage mode
+        dq_warp = cute.arch.make_warp_uniform((tidx % WG_THREADS) // 32)
 
         # S^T and dP^T tiles: (key, query row) of every accumulator element.
         tScS = wgmma_acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((N, M))))
@@ -690,13 +709,19 @@ class FlashBwdSm90(ProducerWarps):
                 # them; a writer warp frees the stage after its TMA add.
                 warpgroup.wait_group(0)
                 cute.arch.barrier(barrier_id=BAR_STAGE_READ, number_of_threads=NUM_MMA_THREADS)
-                cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQsdQ[None, None, None, s])
+                if cutlass.const_expr(self.dq_in_tiles):
+                    store_dq_fragments(acc_dQ, sdQ[None, None, s].iterator, wg, dq_warp, lane)
+                else:
+                    cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQsdQ[None, None, None, s])
             else:
                 # To shared memory, for the writer warps' TMA add, once the
                 # writer of the previous tile has read that one.
                 previous_writer = (it + self.dq_writers - 1) % self.dq_writers
                 cute.arch.barrier(barrier_id=bar_dq_empty(previous_writer), number_of_threads=DQ_BAR_THREADS)
-                cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQsdQ)
+                if cutlass.const_expr(self.dq_in_tiles):
+                    store_dq_fragments(acc_dQ, sdQ.iterator, wg, dq_warp, lane)
+                else:
+                    cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQsdQ)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier_arrive(barrier_id=bar_dq_full(it % self.dq_writers), number_of_threads=DQ_BAR_THREADS)
             if cutlass.const_expr(not self.stats_warp):

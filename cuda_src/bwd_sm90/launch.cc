@@ -37,9 +37,9 @@ using jax_flash_launch::Fail;
   , reinterpret_cast<PREFIX##_Tensor_mQSeg_t*>(const_cast<SegIds*>(&a.q_seg)),      \
       reinterpret_cast<PREFIX##_Tensor_mKVSeg_t*>(const_cast<SegIds*>(&a.kv_seg)),  \
       reinterpret_cast<PREFIX##_Tensor_mQBounds_t*>(const_cast<Bounds*>(&a.q_bounds))
-#define JF_BWD_DEFINE_LAUNCH(ARCH, DTYPE, HDIM, HDIM_V, PREFIX) \
+#define JF_BWD_DEFINE_LAUNCH(ARCH, DTYPE, HDIM, HDIM_V, PREFIX, DQ_TILE_ROWS) \
   JF_BWD_DEFINE_LAUNCH_WITH("jax_flash_bwd_sm90", PREFIX, JF_BWD_NO_SEG_ARGS)
-#define JF_BWD_DEFINE_SEG_LAUNCH(ARCH, DTYPE, HDIM, HDIM_V, PREFIX) \
+#define JF_BWD_DEFINE_SEG_LAUNCH(ARCH, DTYPE, HDIM, HDIM_V, PREFIX, DQ_TILE_ROWS) \
   JF_BWD_DEFINE_LAUNCH_WITH("jax_flash_bwd_sm90", PREFIX, JF_BWD_SM90_SEG_ARGS)
 JF_BWD_SM90_VARIANTS_SM90A(JF_BWD_DEFINE_LAUNCH)
 JF_BWD_SM90_DET_VARIANTS_SM90A(JF_BWD_DEFINE_LAUNCH)
@@ -51,13 +51,18 @@ JF_BWD_SM90_CAP_VARIANTS_SM90A(JF_BWD_DEFINE_LAUNCH)
 
 using LaunchFn = int (*)(const BwdLaunchArgs&, cudaStream_t, char*, size_t);
 
+struct Variant {
+  LaunchFn launch;       // nullptr: none serves the problem
+  int32_t dq_tile_rows;  // kernel_api.h: dq_accum in query tiles of these rows, or 0
+};
+
 // No variant is both deterministic and packed-document, nor soft-capped and
 // either (kernel.py says why): those problems run on the sm80 backward.
-LaunchFn FindVariant(int arch, const JfProblem& p) {
+Variant FindVariant(int arch, const JfProblem& p) {
   const bool deterministic = p.deterministic == 1, segments = p.has_segments == 1, softcap = p.softcap != 0.0f;
-#define JF_BWD_MATCH(ARCH, DTYPE, HDIM, HDIM_V, PREFIX) \
-  if (p.dtype == DTYPE && p.head_dim == HDIM && p.head_dim_v == HDIM_V) return &Launch_##PREFIX;
-  if (arch != 90 || (deterministic && segments) || (softcap && (deterministic || segments))) return nullptr;
+#define JF_BWD_MATCH(ARCH, DTYPE, HDIM, HDIM_V, PREFIX, DQ_TILE_ROWS) \
+  if (p.dtype == DTYPE && p.head_dim == HDIM && p.head_dim_v == HDIM_V) return {&Launch_##PREFIX, DQ_TILE_ROWS};
+  if (arch != 90 || (deterministic && segments) || (softcap && (deterministic || segments))) return {};
   if (softcap) {
     JF_BWD_SM90_CAP_VARIANTS_SM90A(JF_BWD_MATCH)
   } else if (segments) {
@@ -68,7 +73,7 @@ LaunchFn FindVariant(int arch, const JfProblem& p) {
     JF_BWD_SM90_VARIANTS_SM90A(JF_BWD_MATCH)
   }
 #undef JF_BWD_MATCH
-  return nullptr;
+  return {};
 }
 
 constexpr const char* kWho = "jax_flash_bwd_sm90";
@@ -78,11 +83,20 @@ constexpr const char* kWho = "jax_flash_bwd_sm90";
 extern "C" int jax_flash_bwd_sm90_can_implement(const JfProblem* p) {
   if (p == nullptr) return 0;
   if (p->dtype != JF_FLOAT16 && p->dtype != JF_BFLOAT16) return 0;
-  if (FindVariant(90, *p) == nullptr) return 0;
+  if (FindVariant(90, *p).launch == nullptr) return 0;
   if (p->batch > 65535 || p->heads_kv > 65535) return 0;
   int arch = 0;
   if (jax_flash_launch::CurrentBwdArch(/*has_sm80=*/false, kWho, nullptr, 0, &arch) != 0) return 0;
   return arch == 90 ? 1 : 0;
+}
+
+extern "C" int jax_flash_bwd_sm90_dq_tile_rows(int32_t head_dim, int32_t head_dim_v) {
+  // Every kind of variant of the same head dims shares its tile (tile_config.py).
+#define JF_BWD_ROWS(ARCH, DTYPE, HDIM, HDIM_V, PREFIX, DQ_TILE_ROWS) \
+  if (head_dim == HDIM && head_dim_v == HDIM_V) return DQ_TILE_ROWS;
+  JF_BWD_SM90_VARIANTS_SM90A(JF_BWD_ROWS)
+#undef JF_BWD_ROWS
+  return 0;
 }
 
 extern "C" int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream_ptr, char* err, size_t err_len) {
@@ -99,11 +113,16 @@ extern "C" int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream_ptr, char*
   if (p.heads_q <= 0 || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0)
     return Fail(err, err_len, "jax_flash_bwd_sm90: heads_q (%d) must be a positive multiple of heads_kv (%d)",
                 p.heads_q, p.heads_kv);
-  if (FindVariant(90, p) == nullptr)
+  if (FindVariant(90, p).launch == nullptr)
     return Fail(err, err_len,
                 "jax_flash_bwd_sm90: no variant for head_dim %d, head_dim_v %d, deterministic %d, "
                 "has_segments %d, softcap %g (built: bwd_sm90_variants_sm_90a.h)",
                 p.head_dim, p.head_dim_v, p.deterministic, p.has_segments, double(p.softcap));
+  if (args->dq_tile_rows != FindVariant(90, p).dq_tile_rows)
+    return Fail(err, err_len,
+                "jax_flash_bwd_sm90: the head_dim %d, head_dim_v %d kernels take dq_accum with dq_tile_rows %d "
+                "(jax_flash_bwd_sm90_dq_tile_rows), got %d",
+                p.head_dim, p.head_dim_v, int(FindVariant(90, p).dq_tile_rows), int(args->dq_tile_rows));
   if (!(p.scale == p.scale) || p.scale == INFINITY || p.scale == -INFINITY)
     return Fail(err, err_len, "jax_flash_bwd_sm90: scale must be finite");
   if (jax_flash_launch::CheckOptions(p, "jax_flash_bwd_sm90", err, err_len) != 0) return 1;
@@ -121,12 +140,27 @@ extern "C" int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream_ptr, char*
 
   int arch = 0;
   if (jax_flash_launch::CurrentBwdArch(/*has_sm80=*/false, kWho, err, err_len, &arch) != 0) return 1;
-  LaunchFn launch = FindVariant(arch, p);
-  if (launch == nullptr)
+  const Variant variant = FindVariant(arch, p);
+  if (variant.launch == nullptr)
     return Fail(err, err_len, "jax_flash_bwd_sm90: no kernel for compute capability %d.x (needs 9.x)",
                 arch > 0 ? arch / 10 : -arch);
 
   jax_flash_launch::BwdLaunchArgs launch_args = jax_flash_launch::MakeBwdLaunchArgs(args);
+  if (variant.dq_tile_rows > 0) {
+    // One (batch, head) after another, each as tiles x rows rows of its chain.
+    const size_t rows = jax_flash_launch::DqTileChainRows(p, variant.dq_tile_rows);
+    const size_t per_head = rows / (size_t(p.batch) * p.heads_q);
+    if (args->dq_chains * rows > size_t(INT32_MAX))
+      return Fail(err, err_len, "jax_flash_bwd_sm90: %zu dq_accum rows exceed int32", args->dq_chains * rows);
+    launch_args.dq.shape[0] = args->dq_chains * p.batch * p.heads_q;
+    launch_args.dq.shape[1] = int32_t(per_head);
+    launch_args.dq.shape[2] = 1;
+    launch_args.dq.stride[0] = int64_t(per_head) * p.head_dim;
+    launch_args.dq.stride[1] = p.head_dim;
+  } else if (p.deterministic == 1) {
+    // Every chain of dq_accum, as batch entries after the first chain's.
+    launch_args.dq.shape[0] = p.batch * args->dq_chains;
+  }
   if (p.deterministic == 1) {
     // Without a mask the deterministic kernel may order the turns so that
     // the CTAs of a head wait on each other both ways (kernel.py), which
@@ -138,10 +172,8 @@ extern "C" int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream_ptr, char*
       e = jax_flash_launch::CachedDeviceAttribute<cudaDevAttrMultiProcessorCount>(device, &sms);
     if (e != cudaSuccess) return Fail(err, err_len, "jax_flash_bwd_sm90: SM count: %s", cudaGetErrorString(e));
     launch_args.deterministic = std::max(1, sms / 2);
-    // Every chain of dq_accum, as batch entries after the first chain's.
-    launch_args.dq.shape[0] = p.batch * args->dq_chains;
   }
-  if (launch(launch_args, stream, err, err_len) != 0) return 1;
+  if (variant.launch(launch_args, stream, err, err_len) != 0) return 1;
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Fail(err, err_len, "jax_flash_bwd_sm90: kernel launch: %s", cudaGetErrorString(e));
   return 0;

@@ -43,6 +43,13 @@ class TileConfig:
     # seq 2k / 4k): 0.85 / 0.83 against 0.86 / 0.83 without (twice).
     det_stats_warp: bool = True
 
+    @property
+    def dq_tile_rows(self) -> int:
+        """Query rows of the dq_accum tiles this tile writes (kernel_api.h:
+        dq_tile_rows), or 0 for dQ in q's layout: m_block where it tiles
+        WGMMA's M (kernel.py, "dQ in tiles"); the other tiles write dQ^T."""
+        return self.m_block if self.m_block % 64 == 0 else 0
+
     def __post_init__(self):
         if self.stages < 2:
             raise ValueError(f"stages must be >= 2 (warp_roles.BAR_STATS), got {self.stages}")

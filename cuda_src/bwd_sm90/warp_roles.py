@@ -70,12 +70,12 @@ BAR_STATS = 4 + 2 * MAX_DQ_WRITERS
 
 class ProducerWarps:
     """Needs head_dim, head_dim_v, m_block, n_block, stages, deterministic,
-    dq_in_stage and dq_writers (set by FlashBwdSm90.__init__)."""
+    dq_in_stage, dq_in_tiles and dq_writers (set by FlashBwdSm90.__init__)."""
 
     @cute.jit
     def _write_dq(
         self, tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, hi, q_len, kv_len, n_block, kv_head, batch, batches,
-        group, m_block_min, m_blocks, rotation, rotated_kv_blocks, n_iters, writer,
+        group, m_block_min, m_blocks, rotation, rotated_kv_blocks, n_iters, writer, heads_q, seqlen_q,
     ):
         """One warp: per query tile of this writer (see DQ_WARP), wait for
         the consumers' dQ tile, add it to the fp32 accumulator with a TMA
@@ -85,7 +85,10 @@ class ProducerWarps:
         accumulator k % chains (dQ chains below) and waits only on the turns
         before it there.
         dq_in_stage: the tile lies over the query tile's Q / dO stage, which
-        this warp then frees for the producer."""
+        this warp then frees for the producer.
+        dq_in_tiles: tma_dQ is (rows, D), query tile m_block of (chain,
+        batch, head) at tile ((chain x batches + batch) x heads_q + head) x
+        tiles per head + m_block (kernel_api.h: dq_tile_rows)."""
         D, M, N = self.head_dim, self.m_block, self.n_block
         lane = cute.arch.lane_idx()
         # dQ chains, the deterministic variant's dQ accumulators: mdQ may hold chains x batch entries,
@@ -100,9 +103,13 @@ class ProducerWarps:
         # heads of more KV tiles than may wait on each other) they lost, not understood: causal seq 16k
         # hd256 0.63 against 0.85, hd128 0.84 against 0.92, non-causal seq 16k 0.90-1.02 against 0.91-0.98;
         # there the first accumulator takes every turn.
+        q_tiles = cute.ceil_div(seqlen_q, M)
         chains = Int32(1)
         if rotated_kv_blocks > 0:
-            chains = tma_dQ.shape[3] // batches
+            if cutlass.const_expr(self.dq_in_tiles):
+                chains = tma_dQ.shape[0] // (batches * heads_q * q_tiles * M)
+            else:
+                chains = tma_dQ.shape[3] // batches
         if cutlass.const_expr(not self.dq_in_stage):
             if writer == self.dq_writers - 1 and n_iters > 0:
                 # The buffer starts empty: as if this writer had read tile -1.
@@ -119,7 +126,12 @@ class ProducerWarps:
                 chain = k % chains
                 # dq_semaphore has chains entries per 32 query rows.
                 turn = mDqSem.iterator + cute.crd2idx((batch, head, m_block * chains + chain), mDqSem.layout)
-            gdQ = cute.local_tile(tma_dQ[None, None, head, chain * batches + batch], (M, D), (None, 0))
+            tile = m_block
+            if cutlass.const_expr(self.dq_in_tiles):
+                gdQ = cute.local_tile(tma_dQ, (M, D), (None, 0))
+                tile = ((chain * batches + batch) * heads_q + head) * q_tiles + m_block
+            else:
+                gdQ = cute.local_tile(tma_dQ[None, None, head, chain * batches + batch], (M, D), (None, 0))
             tdQsdQ, tdQgdQ = cpasync.tma_partition(
                 tma_atom_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2)
             )
@@ -132,7 +144,7 @@ class ProducerWarps:
                 if lane == 0:
                     wait_at_least(turn, k // chains)
                 cute.arch.sync_warp()
-            cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, m_block])
+            cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, tile])
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
             if cutlass.const_expr(self.dq_in_stage):

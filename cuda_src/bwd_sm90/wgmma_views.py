@@ -46,12 +46,36 @@ def smem_tile_layout(dtype, rows: int, cols: int, stages: int, major_size: int):
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
-def dq_tile_layout(rows: int, cols: int, major_size: int):
-    """The fp32 dQ tile, swizzled so that the accumulator's row pairs land in
-    distinct banks; the TMA reads it back box by box (major_size wide)."""
+def dq_tile_layout(rows: int, cols: int, major_size: int, in_tiles: bool):
+    """The fp32 dQ tile. dQ^T (not in_tiles): swizzled so that the
+    accumulator's row pairs land in distinct banks; the TMA reads it back box
+    by box (major_size wide). dQ in tiles: plain rows x cols floats, written
+    in fragment order (store_dq_fragments) and added as one box to a block
+    of dq_accum laid out the same way."""
+    if in_tiles:
+        return cute.make_composed_layout(
+            cute.make_swizzle(0, 4, 3), 0, cute.make_layout((rows, cols), stride=(cols, 1))
+        )
     kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, cutlass.Float32, major_size)
     atom = warpgroup.make_smem_layout_atom(kind, cutlass.Float32)
     return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+
+
+@cute.jit
+def store_dq_fragments(acc: cute.Tensor, tile: cute.Pointer, wg, warp, lane):
+    """dQ in tiles: this thread's fp32 accumulator of dQ = dS K (64 query
+    rows by head_dim / 2 columns per WG) into the fp32 tile at `tile` in
+    fragment order. Each (WG, warp) owns 32 x size(acc) floats, in which the
+    value pair p of lane l lies at 64 p + 2 l: a warp's 8-byte stores of one
+    pair fill 256 contiguous bytes, free of bank conflicts (the swizzled
+    (rows, cols) tile took two wavefronts per store; tile_config.py).
+    jax_flash/ffi.py reads the element order back: pair p = h + 2 j holds
+    rows 16 warp + 8 h + l / 4, columns wg head_dim / 2 + 8 j + 2 (l % 4) + 0, 1."""
+    pairs = cute.size(acc) // 2
+    block = (wg * 4 + warp) * pairs * 64 + lane * 2
+    dst = cute.make_tensor((tile + block).align(8), cute.make_layout((2, pairs), stride=(1, 64)))
+    src = cute.make_tensor(acc.iterator, cute.make_layout((2, pairs), stride=(1, 2)))
+    cute.copy(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32, num_bits_per_copy=64), src, dst)
 
 
 def transposed(t: cute.Tensor) -> cute.Tensor:
@@ -77,10 +101,11 @@ def issue_wgmma(tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr):
     warpgroup.commit_group()
 
 
-def stage_pair_views(buffer, sQ_layout, sdQ_layout, dtype, stages: int):
+def stage_pair_views(buffer, sQ_layout, sdQ_layout, dtype, stages: int, dq_in_tiles: bool):
     """(sQ, sdO, sdQ) for TileConfig.dq_in_stage: Q and dO of each stage side
     by side in `buffer` (so sdO shares sQ's layout: V is as wide as Q there),
-    and each stage's fp32 (M, D) dQ tile over its Q / dO pair, from Q[s]."""
+    and each stage's fp32 (M, D) dQ tile over its Q / dO pair, from Q[s]
+    (unswizzled for dQ in tiles)."""
     stage = cute.cosize(cute.slice_(sQ_layout, (None, None, 0)))
     outer = sQ_layout.outer
     # The stage mode is (1, stages) after tile_to_shape.
@@ -89,4 +114,6 @@ def stage_pair_views(buffer, sQ_layout, sdQ_layout, dtype, stages: int):
     sdO = cute.make_tensor(cute.recast_ptr(buffer.data_ptr() + stage, sQ_layout.inner, dtype=dtype), paired)
     dq = sdQ_layout.outer
     staged = cute.make_layout((*dq.shape, stages), stride=(*dq.stride, cute.cosize(dq)))
+    if dq_in_tiles:
+        return sQ, sdO, buffer.get_tensor(staged, dtype=cutlass.Float32)
     return sQ, sdO, buffer.get_tensor(staged, swizzle=sdQ_layout.inner, dtype=cutlass.Float32)

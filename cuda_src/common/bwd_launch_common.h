@@ -74,6 +74,19 @@ inline BwdSizes SizesOf(const JfProblem& p) {
   return {size_t(p.batch) * p.seqlen_q * p.heads_q * p.head_dim, keys * p.head_dim, keys * p.head_dim_v};
 }
 
+// Rows of one dQ chain in query tiles of `tile_rows` (kernel_api.h:
+// dq_tile_rows): every (batch, head)'s rows rounded up to whole tiles.
+inline size_t DqTileChainRows(const JfProblem& p, int32_t tile_rows) {
+  const size_t tiles = (size_t(p.seqlen_q) + tile_rows - 1) / tile_rows;
+  return size_t(p.batch) * p.heads_q * tiles * tile_rows;
+}
+
+// Floats of one dQ chain in dq_accum's layout.
+inline size_t DqChainElems(const JfBwdArgs* args, BwdSizes n) {
+  return args->dq_tile_rows > 0 ? DqTileChainRows(args->problem, args->dq_tile_rows) * args->problem.head_dim
+                                : n.q_elems;
+}
+
 // Every operand the problem reads or writes must be present and aligned as
 // the kernels' vector accesses need; the segment tensors only when seg.
 inline int CheckBwdOperands(const JfBwdArgs* args, BwdSizes n, bool seg, const char* who, char* err,
@@ -99,6 +112,8 @@ inline int CheckBwdOperands(const JfBwdArgs* args, BwdSizes n, bool seg, const c
   if (args->dq_chains < 1 || args->dq_chains > 2 || (args->dq_chains > 1 && args->problem.deterministic != 1))
     return Fail(err, err_len, "%s: dq_chains must be 1, or 2 with deterministic = 1; got %d", who,
                 int(args->dq_chains));
+  if (args->dq_tile_rows < 0)
+    return Fail(err, err_len, "%s: dq_tile_rows must be >= 0, got %d", who, int(args->dq_tile_rows));
   for (const auto& e : ptrs) {
     if (!e.needed) continue;
     if (e.ptr == nullptr) return Fail(err, err_len, "%s: %s is NULL", who, e.name);
@@ -117,7 +132,7 @@ inline int ZeroBwdOutputs(const JfBwdArgs* args, BwdSizes n, cudaStream_t stream
   *done = false;
   cudaError_t e = cudaSuccess;
   if (n.q_elems > 0) {
-    e = cudaMemsetAsync(args->dq_accum, 0, args->dq_chains * n.q_elems * sizeof(float), stream);
+    e = cudaMemsetAsync(args->dq_accum, 0, args->dq_chains * DqChainElems(args, n) * sizeof(float), stream);
     if (e != cudaSuccess) return Fail(err, err_len, "%s: zeroing dq_accum: %s", who, cudaGetErrorString(e));
   }
   const JfProblem& p = args->problem;

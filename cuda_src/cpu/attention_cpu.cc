@@ -159,6 +159,10 @@ int run_backward(const JfBwdArgs* args, char* err, size_t err_len) {
     return fail(err, err_len, kEntry,
                 "dq_chains must be 1, or 2 with deterministic = 1; got %d", chains);
   }
+  if (args->dq_tile_rows != 0) {
+    return fail(err, err_len, kEntry, "dq_accum must be in q's layout (dq_tile_rows 0), got dq_tile_rows %d",
+                int(args->dq_tile_rows));
+  }
   if (!no_q || !no_k) backward_cpu(*args, g);
   if (!no_q && chains > 1) {  // one pass fills the first; the sum needs zeros after it
     const size_t q_elems = size_t(g.batch) * g.seqlen_q * g.heads_q * g.head_dim;

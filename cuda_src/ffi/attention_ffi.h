@@ -242,6 +242,30 @@ ffi::Error AttentionForward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k,
   return launch(args);
 }
 
+// dq_accum in query tiles: [chains, *batch, heads_q, ceil(seqlen_q / rows),
+// rows, head_dim] (kernel_api.h: dq_tile_rows). Sets *chains and *rows.
+inline ffi::Error ReadDqTiles(const ffi::AnyBuffer& dq, const JfProblem& p, int64_t* chains,
+                              int32_t* rows) {
+  const auto dims = dq.dimensions();
+  const size_t n = dims.size();
+  int64_t lead = 1;
+  for (size_t i = 1; i + 4 < n; ++i) lead *= dims[i];
+  const int64_t tile_rows = dims[n - 2];
+  const bool fits = tile_rows > 0 && tile_rows <= INT32_MAX && dims[n - 1] == p.head_dim &&
+                    dims[n - 3] == (p.seqlen_q + tile_rows - 1) / tile_rows && dims[n - 4] == p.heads_q &&
+                    lead == p.batch;
+  if (!fits) {
+    return Invalid("dq_accum in query tiles must have shape [chains, *batch, heads_q, ceil(seqlen_q / "
+                   "rows), rows, head_dim] with batch " + std::to_string(p.batch) + ", heads_q " +
+                   std::to_string(p.heads_q) + ", seqlen_q " + std::to_string(p.seqlen_q) + ", head_dim " +
+                   std::to_string(p.head_dim) + ", got " + ShapeString(dims));
+  }
+  if (dq.element_type() != ffi::DataType::F32) return Invalid("dq_accum has the wrong element type");
+  *chains = dims[0];
+  *rows = static_cast<int32_t>(tile_rows);
+  return ffi::Error::Success();
+}
+
 // Decodes the backward call. `launch(const JfBwdArgs&) -> ffi::Error`.
 template <typename Launch>
 ffi::Error AttentionBackward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k,
@@ -266,19 +290,24 @@ ffi::Error AttentionBackward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k
     return e;
   if (auto e = CheckStats("lse", lse, p); e.failure()) return e;
   if (auto e = CheckStats("delta", delta, p); e.failure()) return e;
-  // dq_accum: q's shape, or [chains, *q.shape] (kernel_api.h).
-  int64_t chains = 1;
-  if (dq_accum->dimensions().size() == q.dimensions().size() + 1) chains = dq_accum->dimensions()[0];
+  // dq_accum: q's shape, [chains, *q.shape], or in query tiles (ReadDqTiles).
+  const size_t q_rank = q.dimensions().size(), dq_rank = dq_accum->dimensions().size();
+  int64_t chains = dq_rank == q_rank + 1 ? dq_accum->dimensions()[0] : 1;
+  if (dq_rank == q_rank + 2) {
+    if (auto e = ReadDqTiles(*dq_accum, p, &chains, &args.dq_tile_rows); e.failure()) return e;
+  }
   if (chains < 1 || chains > kMaxDqChains || (chains > 1 && !p.deterministic)) {
     return Invalid("dq_accum must have q's shape " + ShapeString(q.dimensions()) +
                    (p.deterministic ? ", or that after a leading 1 or " + std::to_string(kMaxDqChains)
                                     : std::string()) +
                    ", got " + ShapeString(dq_accum->dimensions()));
   }
-  if (auto e = CheckLike("dq_accum", *dq_accum, ffi::DataType::F32, chains * p.batch, p.seqlen_q,
-                         p.heads_q, p.head_dim);
-      e.failure())
-    return e;
+  if (dq_rank != q_rank + 2) {
+    if (auto e = CheckLike("dq_accum", *dq_accum, ffi::DataType::F32, chains * p.batch, p.seqlen_q,
+                           p.heads_q, p.head_dim);
+        e.failure())
+      return e;
+  }
   args.dq_chains = static_cast<int32_t>(chains);
   if (auto e = CheckLike("dk", *dk, type, p.batch, p.seqlen_k, p.heads_kv, p.head_dim); e.failure())
     return e;

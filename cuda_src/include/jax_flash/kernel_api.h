@@ -17,6 +17,12 @@
 //            (scaled) dQ is the sum of the dq_chains accumulators in order
 //            (one but for the deterministic backward, where the sm90 kernels
 //            take two and the others fill the first and zero the rest)
+//            With dq_tile_rows = M > 0 (the sm90 kernels whose variant asks
+//            for it: jax_flash_bwd_sm90_dq_tile_rows), dq_accum is instead
+//            [dq_chains, batch, heads_q, ceil(seqlen_q / M), M, head_dim]:
+//            each query tile's M x head_dim block contiguous, its element
+//            order the kernel's accumulator fragments' (kernel.py, "dQ in
+//            tiles"), which jax_flash/ffi.py puts back into q's layout
 //   dk, dv   like k, v, in the input dtype
 //   dq_semaphore [batch, heads_q, dq_chains * ceil(seqlen_q / 32)] int32,
 //            scratch of the deterministic backward (problem.deterministic =
@@ -118,6 +124,7 @@ typedef struct JfBwdArgs {
   const int32_t* q_bounds;
   int32_t* dq_semaphore;
   int32_t dq_chains;  // 1, or up to 2 with problem.deterministic = 1
+  int32_t dq_tile_rows;  // 0: dq_accum in q's layout; M: in query tiles
 } JfBwdArgs;
 
 // Return 0 on success. On failure return non-zero and write a NUL-terminated
@@ -137,6 +144,9 @@ int jax_flash_fwd_sm90_can_implement(const JfProblem* problem);
 int jax_flash_fwd_sm90(const JfFwdArgs* args, void* stream, char* err,
                        size_t err_len);
 int jax_flash_bwd_sm90_can_implement(const JfProblem* problem);
+// The query rows of the dq_accum tiles that the sm90 variants of these head
+// dims take (dq_tile_rows), or 0 where they take q's layout or none exists.
+int jax_flash_bwd_sm90_dq_tile_rows(int32_t head_dim, int32_t head_dim_v);
 int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream, char* err,
                        size_t err_len);
 
