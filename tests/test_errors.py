@@ -298,6 +298,22 @@ def test_hopper_backward_takes_dq_in_tiles_where_its_kernels_write_them():
   assert "x64x256xf32>" not in accumulator_types(256, softcap=5.0, deterministic=True)  # the sm80 kernels
 
 
+@pytest.mark.gpu
+def test_hopper_backward_still_takes_dq_in_q_layout(monkeypatch):
+  """A module serialized before the Hopper kernels took dQ in tiles passes
+  q's layout, which the sm80 kernels then serve (cuda_handlers.cc)."""
+  if (ffi.gpu_compute_capability() or (0,))[0] != 9:
+    pytest.skip("dQ in tiles is the Hopper kernels'")
+  q, k, v = (jax.random.normal(key, (2, 100, 2, 256), jnp.bfloat16)
+             for key in jax.random.split(jax.random.key(0), 3))
+  loss = lambda q, k, v: jnp.sum(jax_flash.attention(q, k, v, implementation="gpu").astype(jnp.float32))
+  in_tiles = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
+  monkeypatch.setattr(ffi, "_dq_tile_rows", lambda *_: 0)
+  in_q_layout = jax.jit(jax.grad(lambda *x: loss(*x), (0, 1, 2)))(q, k, v)
+  for a, b in zip(in_tiles, in_q_layout):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0.03, atol=0.03)
+
+
 def test_forcing_gpu_without_gpu_raises():
   reason = api._gpu_unavailable_reason()
   if reason is None:

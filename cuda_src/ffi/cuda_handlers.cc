@@ -26,9 +26,14 @@ int LaunchForward(const JfFwdArgs& args, cudaStream_t stream, char* err, size_t 
   return jax_flash_fwd_sm80(&args, stream, err, n);
 }
 
+// The backward also by dq_accum's layout: a module serialized before the
+// sm90 kernels took dQ in query tiles passes q's layout, which the sm80
+// kernels take (kernel_api.h: dq_tile_rows).
 int LaunchBackward(const JfBwdArgs& args, cudaStream_t stream, char* err, size_t n) {
 #ifdef JF_HAVE_BWD_SM90
-  if (jax_flash_bwd_sm90_can_implement(&args.problem)) {
+  const JfProblem& p = args.problem;
+  if (jax_flash_bwd_sm90_can_implement(&p) &&
+      args.dq_tile_rows == jax_flash_bwd_sm90_dq_tile_rows(p.head_dim, p.head_dim_v)) {
     return jax_flash_bwd_sm90(&args, stream, err, n);
   }
 #endif
