@@ -110,7 +110,12 @@ class TileConfig:
 # and the rest of the CTA stays below 1.5x cuDNN. Conflict-free dQ stores in
 # a tile-contiguous accumulator, added as one box, ran +2-5% as a probe (run
 # 133: 8k 416 / 416 against 399 / 397), +1-7% at hd96, hd192 and 192 / 128
-# too (run 134); benchmarks/HISTORY.md says what shipping it takes.
+# too (run 134). Shipped as dq_tile_rows (every tile of 64 query rows; the
+# caller transposes the tiles back), against the build before in one process
+# (run 136, seq 8192): hd256 418 / 413 against 404 / 397 TFLOPS, hd192 402 /
+# 392 against 395 / 377, 192 / 128 372 / 351 against 352 / 342, hd96 485 /
+# 434 against 467 / 417; the deterministic variant, bound by its turns, moved
+# by 0-6% (run 137).
 # hd128 at 80 query rows (TileConfig(80, 128, 2), export --tile 80,128,2,
 # FlashAttention-3's non-causal hd128 tile; shipped): 80 rows do not
 # tile WGMMA's M = 64, so dQ^T = K^T dS^T (the head dim as M, the WGs
