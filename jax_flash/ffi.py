@@ -197,7 +197,7 @@ def _backward(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_boun
   rows = _dq_tile_rows(q, v, q_ids, call)
   dq_shape = (chains, *q.shape) if chains > 1 else q.shape
   if rows:
-    dq_shape = (chains, *batch, heads_q, -(-seq_q // rows), rows, q.shape[-1])
+    dq_shape = (*batch, chains, heads_q, -(-seq_q // rows), rows, q.shape[-1])
   out_types = (
       jax.ShapeDtypeStruct(dq_shape, jnp.float32),
       jax.ShapeDtypeStruct(k.shape, k.dtype),
@@ -208,7 +208,7 @@ def _backward(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_boun
   dq, dk, dv, _ = kernel(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_bounds,
                          q_bounds, **call.attributes("bwd"))
   if rows:
-    dq = _dq_from_tiles(dq, seq_q)
+    dq = jnp.moveaxis(_dq_from_tiles(dq, seq_q), -4, 0)  # chains first, as in q's layout
     if chains == 1:
       dq = dq[0]
   if chains > 1:
@@ -241,9 +241,9 @@ def _sm90_dq_tile_rows(head_dim: int, head_dim_v: int) -> int:
 
 
 def _dq_from_tiles(dq, seq_q: int):
-  """[chains, *batch, heads, tiles, 64, dim] in the element order of the
-  Hopper kernels' dQ fragments (cuda_src/bwd_sm90/wgmma_views.py:
-  store_dq_fragments) -> [chains, *batch, seq_q, heads, dim]."""
+  """[*lead, heads, tiles, 64, dim] in the element order of the Hopper
+  kernels' dQ fragments (cuda_src/bwd_sm90/wgmma_views.py:
+  store_dq_fragments) -> [*lead, seq_q, heads, dim]."""
   *lead, heads, tiles, rows, dim = dq.shape
   if rows != 64:
     raise NotImplementedError(f"dq_accum in tiles of {rows} query rows; the fragment order is that of 64")

@@ -14,7 +14,9 @@ registers away; warpgroups 1 and 2 compute with WGMMA:
     dV  += P^T dO    (each WG: its keys, all of the head dim; P^T from registers)
     dK  += dS^T Q    (same; times scale at the end)
     dQ   = dS K      (each WG: half of the head dim) -> shared -> TMA add
-                     (80 or 112 query rows do not tile WGMMA's M: dQ^T = K^T dS^T)
+                     (to dq_accum in query tiles, in fragment order: dq_tile_rows;
+                     80 or 112 query rows do not tile WGMMA's M: dQ^T = K^T dS^T,
+                     added to dq_accum in q's layout)
 
 Computing the transposed scores puts the keys in the WGMMA M dimension, so
 P^T and dS^T come out of the accumulators already in the register layout of
@@ -269,7 +271,7 @@ class FlashBwdSm90(ProducerWarps):
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, seq_major(mK), cute.slice_(sK_layout, (None, None, 0)), (N, D))
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, seq_major(mV), cute.slice_(sV_layout, (None, None, 0)), (N, Dv))
         if cutlass.const_expr(self.dq_in_tiles):
-            # The launcher passes the tiles as [chains x B x Hq, tiles x M, 1]:
+            # The launcher passes the tiles as [B x chains x Hq, tiles x M, 1]:
             # one (rows, D) view, tile t its rows t M on.
             rows = mdQ.shape[0] * mdQ.shape[1] * mdQ.shape[2]
             dq_rows = cute.make_tensor(mdQ.iterator, cute.make_layout((rows, D), stride=(D, 1)))

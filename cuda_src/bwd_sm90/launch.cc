@@ -147,12 +147,12 @@ extern "C" int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream_ptr, char*
 
   jax_flash_launch::BwdLaunchArgs launch_args = jax_flash_launch::MakeBwdLaunchArgs(args);
   if (variant.dq_tile_rows > 0) {
-    // One (batch, head) after another, each as tiles x rows rows of its chain.
+    // One (batch, chain, head) after another, each as tiles x rows rows.
     const size_t rows = jax_flash_launch::DqTileChainRows(p, variant.dq_tile_rows);
     const size_t per_head = rows / (size_t(p.batch) * p.heads_q);
     if (args->dq_chains * rows > size_t(INT32_MAX))
       return Fail(err, err_len, "jax_flash_bwd_sm90: %zu dq_accum rows exceed int32", args->dq_chains * rows);
-    launch_args.dq.shape[0] = args->dq_chains * p.batch * p.heads_q;
+    launch_args.dq.shape[0] = p.batch * args->dq_chains * p.heads_q;
     launch_args.dq.shape[1] = int32_t(per_head);
     launch_args.dq.shape[2] = 1;
     launch_args.dq.stride[0] = int64_t(per_head) * p.head_dim;

@@ -86,8 +86,8 @@ class ProducerWarps:
         before it there.
         dq_in_stage: the tile lies over the query tile's Q / dO stage, which
         this warp then frees for the producer.
-        dq_in_tiles: tma_dQ is (rows, D), query tile m_block of (chain,
-        batch, head) at tile ((chain x batches + batch) x heads_q + head) x
+        dq_in_tiles: tma_dQ is (rows, D), query tile m_block of (batch,
+        chain, head) at tile ((batch x chains + chain) x heads_q + head) x
         tiles per head + m_block (kernel_api.h: dq_tile_rows)."""
         D, M, N = self.head_dim, self.m_block, self.n_block
         lane = cute.arch.lane_idx()
@@ -129,7 +129,7 @@ class ProducerWarps:
             tile = m_block
             if cutlass.const_expr(self.dq_in_tiles):
                 gdQ = cute.local_tile(tma_dQ, (M, D), (None, 0))
-                tile = ((chain * batches + batch) * heads_q + head) * q_tiles + m_block
+                tile = ((batch * chains + chain) * heads_q + head) * q_tiles + m_block
             else:
                 gdQ = cute.local_tile(tma_dQ[None, None, head, chain * batches + batch], (M, D), (None, 0))
             tdQsdQ, tdQgdQ = cpasync.tma_partition(

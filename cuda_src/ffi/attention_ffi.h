@@ -242,26 +242,26 @@ ffi::Error AttentionForward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k,
   return launch(args);
 }
 
-// dq_accum in query tiles: [chains, *batch, heads_q, ceil(seqlen_q / rows),
+// dq_accum in query tiles: [*batch, chains, heads_q, ceil(seqlen_q / rows),
 // rows, head_dim] (kernel_api.h: dq_tile_rows). Sets *chains and *rows.
 inline ffi::Error ReadDqTiles(const ffi::AnyBuffer& dq, const JfProblem& p, int64_t* chains,
                               int32_t* rows) {
   const auto dims = dq.dimensions();
   const size_t n = dims.size();
   int64_t lead = 1;
-  for (size_t i = 1; i + 4 < n; ++i) lead *= dims[i];
+  for (size_t i = 0; i + 5 < n; ++i) lead *= dims[i];
   const int64_t tile_rows = dims[n - 2];
   const bool fits = tile_rows > 0 && tile_rows <= INT32_MAX && dims[n - 1] == p.head_dim &&
                     dims[n - 3] == (p.seqlen_q + tile_rows - 1) / tile_rows && dims[n - 4] == p.heads_q &&
                     lead == p.batch;
   if (!fits) {
-    return Invalid("dq_accum in query tiles must have shape [chains, *batch, heads_q, ceil(seqlen_q / "
+    return Invalid("dq_accum in query tiles must have shape [*batch, chains, heads_q, ceil(seqlen_q / "
                    "rows), rows, head_dim] with batch " + std::to_string(p.batch) + ", heads_q " +
                    std::to_string(p.heads_q) + ", seqlen_q " + std::to_string(p.seqlen_q) + ", head_dim " +
                    std::to_string(p.head_dim) + ", got " + ShapeString(dims));
   }
   if (dq.element_type() != ffi::DataType::F32) return Invalid("dq_accum has the wrong element type");
-  *chains = dims[0];
+  *chains = dims[n - 5];
   *rows = static_cast<int32_t>(tile_rows);
   return ffi::Error::Success();
 }

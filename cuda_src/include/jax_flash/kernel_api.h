@@ -16,13 +16,15 @@
 //   dq_accum [dq_chains, batch, seqlen_q, heads_q, head_dim] float32: the
 //            (scaled) dQ is the sum of the dq_chains accumulators in order
 //            (one but for the deterministic backward, where the sm90 kernels
-//            take two and the others fill the first and zero the rest)
-//            With dq_tile_rows = M > 0 (the sm90 kernels whose variant asks
-//            for it: jax_flash_bwd_sm90_dq_tile_rows), dq_accum is instead
-//            [dq_chains, batch, heads_q, ceil(seqlen_q / M), M, head_dim]:
-//            each query tile's M x head_dim block contiguous, its element
-//            order the kernel's accumulator fragments' (kernel.py, "dQ in
-//            tiles"), which jax_flash/ffi.py puts back into q's layout
+//            take two and the others fill the first and zero the rest).
+//            With dq_tile_rows = M > 0 (the sm90 variants that ask for it:
+//            jax_flash_bwd_sm90_dq_tile_rows) it is instead
+//            [batch, dq_chains, heads_q, ceil(seqlen_q / M), M, head_dim],
+//            batch first so that a vmapped call's leading dims stay batch
+//            dims; each query tile's M x head_dim floats are contiguous, in
+//            the order of the kernel's accumulator fragments
+//            (bwd_sm90/wgmma_views.py: store_dq_fragments), which
+//            jax_flash/ffi.py puts back into q's layout
 //   dk, dv   like k, v, in the input dtype
 //   dq_semaphore [batch, heads_q, dq_chains * ceil(seqlen_q / 32)] int32,
 //            scratch of the deterministic backward (problem.deterministic =
