@@ -75,20 +75,6 @@ def sm90_backward_serves(*, deterministic: bool, has_segments: bool, softcap: bo
   return batch <= 65535 and heads_kv <= 65535
 
 
-# (head_dim, head_dim_v) -> dQ accumulators of the deterministic backward
-# without a mask where the Hopper kernels serve it (kernel_api.h: dq_chains;
-# cuda_src/bwd_sm90/warp_roles.py, "dQ chains"); one for the others. A query
-# tile's turns alternate between them, so that each CTA waits on the turn two
-# before its own, at the cost of one more float32 dQ, zeroed and summed per
-# call. H100, deterministic backward TFLOPS with two / one, non-causal seq 2k
-# / 4k (results run 93): 192 / 128 281 / 314 against 254 / 284, hd192 314 /
-# 346 against 305 / 331; where the hand-over did not hold the CTAs up, the
-# extra pass over dQ cost more than the chains won: hd256 315 / 349 against
-# 330 / 354, hd128 434 / 483 against 451 / 503, hd64 368 / 413 against 376 /
-# 431.
-SM90_DETERMINISTIC_DQ_CHAINS = {(192, 128): 2, (192, 192): 2}
-
-
 CPU = BackendSupport(
     name="cpu",
     dtypes=(np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)),

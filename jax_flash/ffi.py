@@ -259,7 +259,7 @@ def _dq_chains(q, v, q_ids, call: KernelCall) -> int:
   """How many dQ accumulators the backward kernel gets (kernel_api.h:
   dq_chains): more only where Hopper's deterministic kernel runs without a
   mask, the only case in which it uses them (cuda_src/bwd_sm90/warp_roles.py,
-  "dQ chains")."""
+  "dQ chains"), as many as it asks for these keys."""
   if not (call.deterministic and call.backend == "gpu" and (gpu_compute_capability() or (0,))[0] == 9):
     return 1
   if call.window_left >= 0 or call.window_right >= 0:
@@ -267,8 +267,17 @@ def _dq_chains(q, v, q_ids, call: KernelCall) -> int:
   serves = configs.sm90_backward_serves(
       deterministic=True, has_segments=q_ids.shape[-1] > 0, softcap=call.softcap > 0,
       batch=math.prod(q.shape[:-3]), heads_kv=v.shape[-2])
-  dims = (q.shape[-1], v.shape[-1])
-  return configs.SM90_DETERMINISTIC_DQ_CHAINS.get(dims, 1) if serves else 1
+  return _sm90_deterministic_dq_chains(q.shape[-1], v.shape[-1], v.shape[-3]) if serves else 1
+
+
+@functools.cache
+def _sm90_deterministic_dq_chains(head_dim: int, head_dim_v: int, seq_k: int) -> int:
+  query = getattr(_cuda_library, "jax_flash_bwd_sm90_deterministic_dq_chains", None)
+  if query is None:  # no Hopper kernels in this build, or one from before the query
+    return 1
+  query.argtypes = (ctypes.c_int32,) * 3
+  query.restype = ctypes.c_int
+  return int(query(head_dim, head_dim_v, seq_k))
 
 
 @functools.cache

@@ -307,6 +307,25 @@ class AttentionTestBase:
       again = run_attention(q, k, v, dout, self.implementation, deterministic=True, **kw)
       chex.assert_trees_all_equal(first, again)
 
+  @pytest.mark.parametrize("seq_k", [4500, 9000], ids=["key-groups", "unrotated"])
+  @pytest.mark.parametrize("dims", [(192, 128), (256, 256)], ids=["192-128", "256"])
+  def test_deterministic_backward_over_many_keys(self, seq_k, dims):
+    # Without a mask, Hopper's deterministic kernels rotate the turns among
+    # KV tiles resident at once; on 132 SMs, 4500 keys split each head's
+    # tiles into two groups with dQ accumulators of their own, and 9000 into
+    # more groups than accumulators, which keeps the unrotated order. The
+    # second batch entry sees fewer keys, so its groups are smaller.
+    head_dim, head_dim_v = dims
+    kv_lens = jnp.array([seq_k, seq_k - 1100], jnp.int32)
+    kw = dict(batch=2, seq_q=70, seq_k=seq_k, heads_q=2, heads_kv=1, head_dim=head_dim,
+              head_dim_v=head_dim_v, dtype=self.dtypes[0], deterministic=True, seed=21)
+    first = self.check(kv_lens=kv_lens, **kw)
+    q, k, v, dout = numerics.random_qkv(21, 2, 70, seq_k, 2, 1, head_dim, self.dtypes[0], head_dim_v)
+    for _ in range(2):
+      again = run_attention(q, k, v, dout, self.implementation, deterministic=True,
+                            key_value_seq_lengths=kv_lens)
+      chex.assert_trees_all_equal(first, again)
+
   def test_lse_gradient(self):
     q, k, v, _ = numerics.random_qkv(4, 1, 50, 70, 2, 1, self.head_dims[0], self.dtypes[0])
 

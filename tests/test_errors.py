@@ -13,6 +13,9 @@ import jax_flash
 import jax_flash.configs
 from jax_flash import api, ffi, validation
 
+import numerics
+from attention_base import run_attention
+
 
 def qkv(q_shape=(2, 16, 4, 64), k_shape=(2, 16, 2, 64), v_shape=None, dtype=jnp.float32):
   v_shape = k_shape if v_shape is None else v_shape
@@ -153,16 +156,16 @@ def test_hopper_takes_narrow_values_unpadded():
   assert "stablehlo.pad" in grads.lower(q, k, v).as_text()
 
 
-def test_two_dq_chains_only_for_hopper_deterministic_kernels(monkeypatch):
-  q, v = jnp.zeros((2, 64, 4, 192)), jnp.zeros((2, 64, 2, 128))
+def test_dq_chains_only_for_hopper_deterministic_kernels_without_a_mask(monkeypatch):
+  q, v = jnp.zeros((2, 64, 4, 192)), jnp.zeros((2, 80, 2, 128))
   no_ids, ids = jnp.zeros((2, 0), jnp.int32), jnp.zeros((2, 64), jnp.int32)
   call = ffi.KernelCall(backend="gpu", scale=0.1, diag_offset=0, window_left=-1, window_right=-1,
                         deterministic=True)
   chains = functools.partial(ffi._dq_chains, q, v, no_ids)
   monkeypatch.setattr(ffi, "gpu_compute_capability", lambda: (9, 0))
-  assert chains(call) == jax_flash.configs.SM90_DETERMINISTIC_DQ_CHAINS[192, 128] == 2
-  assert ffi._dq_chains(q, jnp.zeros((2, 64, 2, 192)), no_ids, call) == 2
-  assert ffi._dq_chains(q[..., :128], v, no_ids, call) == 1  # one is faster there
+  asked = []
+  monkeypatch.setattr(ffi, "_sm90_deterministic_dq_chains", lambda *dims: asked.append(dims) or 4)
+  assert chains(call) == 4 and asked == [(192, 128, 80)]  # the kernel's count for these keys
   assert ffi._dq_chains(q, v, ids, call) == 1  # the sm80 kernels serve it
   assert chains(dataclasses.replace(call, softcap=5.0)) == 1
   assert chains(dataclasses.replace(call, window_right=0)) == 1
@@ -171,6 +174,13 @@ def test_two_dq_chains_only_for_hopper_deterministic_kernels(monkeypatch):
   assert chains(dataclasses.replace(call, backend="cpu")) == 1
   monkeypatch.setattr(ffi, "gpu_compute_capability", lambda: (8, 0))
   assert chains(call) == 1
+
+
+def test_dq_chains_default_to_one_without_the_kernels_query(monkeypatch):
+  """A CUDA library without jax_flash_bwd_sm90_deterministic_dq_chains (no
+  Hopper kernels, or built before the query) gets one accumulator."""
+  monkeypatch.setattr(ffi, "_cuda_library", None)
+  assert ffi._sm90_deterministic_dq_chains.__wrapped__(192, 128, 8192) == 1
 
 
 def _cpu_backward_with_chains(chains, deterministic=True):
@@ -190,14 +200,16 @@ def _cpu_backward_with_chains(chains, deterministic=True):
 
 
 def test_handler_takes_dq_chains_and_zeroes_all_but_the_first():
-  """kernel_api.h: dq_accum may hold two accumulators in a deterministic
-  backward; kernels that fill one zero the other, so the sum is dQ."""
-  one, two = _cpu_backward_with_chains(1), _cpu_backward_with_chains(2)
-  for a, b in zip(one, two):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  """kernel_api.h: dq_accum may hold up to four accumulators in a
+  deterministic backward; kernels that fill one zero the others, so the sum
+  is dQ."""
+  one = _cpu_backward_with_chains(1)
+  for chains in (2, 4):
+    for a, b in zip(one, _cpu_backward_with_chains(chains)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   with pytest.raises(Exception, match=r"dq_accum must have q's shape \(2, 16, 4, 64\), or that after "
-                                      r"a leading 1 or 2, got \(3, 2, 16, 4, 64\)"):
-    _cpu_backward_with_chains(3)
+                                      r"a leading 1 to 4, got \(5, 2, 16, 4, 64\)"):
+    _cpu_backward_with_chains(5)
   with pytest.raises(Exception, match=r"dq_accum must have q's shape \(2, 16, 4, 64\), got "
                                       r"\(2, 2, 16, 4, 64\)"):
     _cpu_backward_with_chains(2, deterministic=False)
@@ -278,6 +290,22 @@ def test_hopper_deterministic_backward_takes_two_dq_accumulators():
   assert "2" in accumulators(deterministic=True) and "2" not in accumulators()
   assert "2" not in accumulators(deterministic=True, segment_ids=jnp.zeros((1, 64), jnp.int32))
   assert "2" not in accumulators(deterministic=True, causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chains", [2, 4])
+def test_hopper_deterministic_backward_with_other_accumulator_counts(monkeypatch, chains):
+  """dq_accum sized for other keys (a module serialized on another GPU):
+  at 9000 keys, three groups of KV tiles on 132 SMs, the kernel keeps the
+  unrotated order with two accumulators and rotates with four."""
+  if (ffi.gpu_compute_capability() or (0,))[0] != 9:
+    pytest.skip("the dQ chains are the Hopper deterministic kernels'")
+  q, k, v, dout = numerics.random_qkv(3, 2, 70, 9000, 2, 1, 192, jnp.bfloat16, 128)
+  attend = functools.partial(run_attention, q, k, v, dout, "gpu", deterministic=True)
+  expected = attend()
+  monkeypatch.setattr(ffi, "_sm90_deterministic_dq_chains", lambda *_: chains)
+  for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), attend(), expected):
+    np.testing.assert_allclose(a, b, rtol=0.02, atol=0.02, err_msg=name)
 
 
 @pytest.mark.gpu

@@ -7,7 +7,8 @@ dtype and (head_dim, head_dim_v) of TILE_CONFIGS, NAME.o and NAME.h
 (export_to_c; named ..._hd<head_dim> or, where V is narrower,
 ..._hd<head_dim>v<head_dim_v>), and bwd_sm90_variants_<arch>.h with one
 X-macro per kind for launch.cc, X(arch tag, JfDtype, head_dim, head_dim_v,
-prefix, dq_tile_rows) (kernel_api.h: dq_tile_rows; 0 for dQ in q's layout).
+prefix, dq_tile_rows, kv_tile, turn_chains) (kernel_api.h: dq_tile_rows, 0
+for dQ in q's layout; the keys per CTA; tile_config.py: det_turn_chains).
 
 Runtime scalars are plain kernel parameters: export_to_c supports Float32 and
 Int32 arguments and maps them to `float` / `int32_t` parameters of the C
@@ -121,8 +122,9 @@ def main(argv=None):
                 dtype = getattr(cutlass, dtype_name)
                 variants.append((name, lambda d=dtype, h=head_dim, hv=head_dim_v, x=deterministic,
                                  g=has_segments, c=has_softcap: _compile_variant(d, h, hv, x, g, c, tile)))
-                dq_rows = (tile or TILE_CONFIGS[head_dim, head_dim_v]).dq_tile_rows
-                rows[infix].append(f"{tag}, {jf_dtype}, {head_dim}, {head_dim_v}, {name}, {dq_rows}")
+                cfg = tile or TILE_CONFIGS[head_dim, head_dim_v]
+                rows[infix].append(f"{tag}, {jf_dtype}, {head_dim}, {head_dim_v}, {name}, {cfg.dq_tile_rows}, "
+                                   f"{cfg.n_block}, {cfg.det_turn_chains}")
 
     names = export_variants(args.out, variants)
     write_variants_header(
@@ -131,19 +133,19 @@ def main(argv=None):
         guard=f"JAX_FLASH_BWD_SM90_VARIANTS_{tag.upper()}_H_",
         include_names=names,
         macros=[
-            ("X(arch tag, JfDtype, head_dim, head_dim_v, prefix, dq_tile_rows), plain", f"JF_BWD_SM90_VARIANTS_{tag.upper()}", rows["bwd90"]),
+            ("X(arch tag, JfDtype, head_dim, head_dim_v, prefix, dq_tile_rows, kv_tile, turn_chains), plain", f"JF_BWD_SM90_VARIANTS_{tag.upper()}", rows["bwd90"]),
             (
-                "X(arch tag, JfDtype, head_dim, head_dim_v, prefix, dq_tile_rows), deterministic",
+                "X(arch tag, JfDtype, head_dim, head_dim_v, prefix, dq_tile_rows, kv_tile, turn_chains), deterministic",
                 f"JF_BWD_SM90_DET_VARIANTS_{tag.upper()}",
                 rows["bwd90det"],
             ),
             (
-                "X(arch tag, JfDtype, head_dim, head_dim_v, prefix, dq_tile_rows), packed-document (has_segments)",
+                "X(arch tag, JfDtype, head_dim, head_dim_v, prefix, dq_tile_rows, kv_tile, turn_chains), packed-document (has_segments)",
                 f"JF_BWD_SM90_SEG_VARIANTS_{tag.upper()}",
                 rows["bwdseg90"],
             ),
             (
-                "X(arch tag, JfDtype, head_dim, head_dim_v, prefix, dq_tile_rows), soft-capped (has_softcap)",
+                "X(arch tag, JfDtype, head_dim, head_dim_v, prefix, dq_tile_rows, kv_tile, turn_chains), soft-capped (has_softcap)",
                 f"JF_BWD_SM90_CAP_VARIANTS_{tag.upper()}",
                 rows["bwdcap90"],
             ),

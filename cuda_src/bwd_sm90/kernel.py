@@ -391,10 +391,12 @@ class FlashBwdSm90(ProducerWarps):
         if n_last >= n0 and row_end > row_begin:
             m_blocks = (row_end + M - 1) // M - m_block_min
         n_iters = m_blocks * group
-        rotation, rotated_kv_blocks = Int32(0), Int32(0)
+        rotation, rotated_first, rotated_kv_blocks = Int32(0), Int32(0), Int32(0)
+        chains, chain_first, chain_count = Int32(1), Int32(0), Int32(1)
         if cutlass.const_expr(self.deterministic):
-            rotation, rotated_kv_blocks = rotated_order(
-                n_block, m_blocks, kv_len, N, lo, hi, seqlen_q, seqlen_k, resident_ctas
+            chains = self._dq_chain_count(tma_dQ, mdK.shape[0], mLSE.shape[1], seqlen_q)
+            rotation, rotated_first, rotated_kv_blocks, chain_first, chain_count = rotated_order(
+                n_block, m_blocks, kv_len, N, lo, hi, seqlen_q, seqlen_k, resident_ctas, chains
             )
 
         if warp_idx == 0:
@@ -456,8 +458,8 @@ class FlashBwdSm90(ProducerWarps):
             if warp_idx >= DQ_WARP and warp_idx < DQ_WARP + self.dq_writers:
                 self._write_dq(
                     tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, hi, q_len, kv_len, n_block, kv_head, batch,
-                    mdK.shape[0], group, m_block_min, m_blocks, rotation, rotated_kv_blocks, n_iters,
-                    warp_idx - DQ_WARP, mLSE.shape[1], seqlen_q,
+                    mdK.shape[0], group, m_block_min, m_blocks, rotation, rotated_first, rotated_kv_blocks,
+                    chains, chain_first, chain_count, n_iters, warp_idx - DQ_WARP, mLSE.shape[1], seqlen_q,
                 )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)

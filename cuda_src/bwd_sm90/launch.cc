@@ -37,9 +37,9 @@ using jax_flash_launch::Fail;
   , reinterpret_cast<PREFIX##_Tensor_mQSeg_t*>(const_cast<SegIds*>(&a.q_seg)),      \
       reinterpret_cast<PREFIX##_Tensor_mKVSeg_t*>(const_cast<SegIds*>(&a.kv_seg)),  \
       reinterpret_cast<PREFIX##_Tensor_mQBounds_t*>(const_cast<Bounds*>(&a.q_bounds))
-#define JF_BWD_DEFINE_LAUNCH(ARCH, DTYPE, HDIM, HDIM_V, PREFIX, DQ_TILE_ROWS) \
+#define JF_BWD_DEFINE_LAUNCH(ARCH, DTYPE, HDIM, HDIM_V, PREFIX, DQ_TILE_ROWS, KV_TILE, TURN_CHAINS) \
   JF_BWD_DEFINE_LAUNCH_WITH("jax_flash_bwd_sm90", PREFIX, JF_BWD_NO_SEG_ARGS)
-#define JF_BWD_DEFINE_SEG_LAUNCH(ARCH, DTYPE, HDIM, HDIM_V, PREFIX, DQ_TILE_ROWS) \
+#define JF_BWD_DEFINE_SEG_LAUNCH(ARCH, DTYPE, HDIM, HDIM_V, PREFIX, DQ_TILE_ROWS, KV_TILE, TURN_CHAINS) \
   JF_BWD_DEFINE_LAUNCH_WITH("jax_flash_bwd_sm90", PREFIX, JF_BWD_SM90_SEG_ARGS)
 JF_BWD_SM90_VARIANTS_SM90A(JF_BWD_DEFINE_LAUNCH)
 JF_BWD_SM90_DET_VARIANTS_SM90A(JF_BWD_DEFINE_LAUNCH)
@@ -54,14 +54,16 @@ using LaunchFn = int (*)(const BwdLaunchArgs&, cudaStream_t, char*, size_t);
 struct Variant {
   LaunchFn launch;       // nullptr: none serves the problem
   int32_t dq_tile_rows;  // kernel_api.h: dq_accum in query tiles of these rows, or 0
+  int32_t kv_tile;       // keys per CTA
+  int32_t turn_chains;   // tile_config.py: det_turn_chains
 };
 
 // No variant is both deterministic and packed-document, nor soft-capped and
 // either (kernel.py says why): those problems run on the sm80 backward.
 Variant FindVariant(int arch, const JfProblem& p) {
   const bool deterministic = p.deterministic == 1, segments = p.has_segments == 1, softcap = p.softcap != 0.0f;
-#define JF_BWD_MATCH(ARCH, DTYPE, HDIM, HDIM_V, PREFIX, DQ_TILE_ROWS) \
-  if (p.dtype == DTYPE && p.head_dim == HDIM && p.head_dim_v == HDIM_V) return {&Launch_##PREFIX, DQ_TILE_ROWS};
+#define JF_BWD_MATCH(ARCH, DTYPE, HDIM, HDIM_V, PREFIX, DQ_TILE_ROWS, KV_TILE, TURN_CHAINS) \
+  if (p.dtype == DTYPE && p.head_dim == HDIM && p.head_dim_v == HDIM_V) return {&Launch_##PREFIX, DQ_TILE_ROWS, KV_TILE, TURN_CHAINS};
   if (arch != 90 || (deterministic && segments) || (softcap && (deterministic || segments))) return {};
   if (softcap) {
     JF_BWD_SM90_CAP_VARIANTS_SM90A(JF_BWD_MATCH)
@@ -78,6 +80,19 @@ Variant FindVariant(int arch, const JfProblem& p) {
 
 constexpr const char* kWho = "jax_flash_bwd_sm90";
 
+// The CTAs of the deterministic kernel that may wait on each other both ways
+// (the rotated order, dsl_common.rotated_order) must all be resident at
+// once: at most half the SMs, leaving room for one more such kernel
+// running alongside.
+int ResidentCtas(int* resident, char* err, size_t err_len) {
+  int device = 0, sms = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = jax_flash_launch::CachedDeviceAttribute<cudaDevAttrMultiProcessorCount>(device, &sms);
+  if (e != cudaSuccess) return Fail(err, err_len, "jax_flash_bwd_sm90: SM count: %s", cudaGetErrorString(e));
+  *resident = std::max(1, sms / 2);
+  return 0;
+}
+
 }  // namespace
 
 extern "C" int jax_flash_bwd_sm90_can_implement(const JfProblem* p) {
@@ -92,11 +107,27 @@ extern "C" int jax_flash_bwd_sm90_can_implement(const JfProblem* p) {
 
 extern "C" int jax_flash_bwd_sm90_dq_tile_rows(int32_t head_dim, int32_t head_dim_v) {
   // Every kind of variant of the same head dims shares its tile (tile_config.py).
-#define JF_BWD_ROWS(ARCH, DTYPE, HDIM, HDIM_V, PREFIX, DQ_TILE_ROWS) \
+#define JF_BWD_ROWS(ARCH, DTYPE, HDIM, HDIM_V, PREFIX, DQ_TILE_ROWS, KV_TILE, TURN_CHAINS) \
   if (head_dim == HDIM && head_dim_v == HDIM_V) return DQ_TILE_ROWS;
   JF_BWD_SM90_VARIANTS_SM90A(JF_BWD_ROWS)
 #undef JF_BWD_ROWS
   return 0;
+}
+
+extern "C" int jax_flash_bwd_sm90_deterministic_dq_chains(int32_t head_dim, int32_t head_dim_v, int32_t seqlen_k) {
+  // The rotated order splits a head's KV tiles into groups of resident CTAs,
+  // each with turn_chains accumulators of its own (dsl_common.rotated_order).
+  JfProblem p{};
+  p.dtype = JF_BFLOAT16;  // both dtypes share their tiles
+  p.head_dim = head_dim;
+  p.head_dim_v = head_dim_v;
+  p.deterministic = 1;
+  const Variant variant = FindVariant(90, p);
+  int resident = 0;
+  if (variant.launch == nullptr || seqlen_k <= 0 || ResidentCtas(&resident, nullptr, 0) != 0) return 1;
+  const int64_t kv_tiles = (int64_t{seqlen_k} + variant.kv_tile - 1) / variant.kv_tile;
+  const int64_t chains = (kv_tiles + resident - 1) / resident * variant.turn_chains;
+  return chains <= JF_MAX_DQ_CHAINS ? int(chains) : 1;
 }
 
 extern "C" int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream_ptr, char* err, size_t err_len) {
@@ -161,18 +192,7 @@ extern "C" int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream_ptr, char*
     // Every chain of dq_accum, as batch entries after the first chain's.
     launch_args.dq.shape[0] = p.batch * args->dq_chains;
   }
-  if (p.deterministic == 1) {
-    // Without a mask the deterministic kernel may order the turns so that
-    // the CTAs of a head wait on each other both ways (kernel.py), which
-    // needs them all resident at once: it does so where they fit on half the
-    // SMs, leaving room for one more such kernel running alongside.
-    int device = 0, sms = 0;
-    cudaError_t e = cudaGetDevice(&device);
-    if (e == cudaSuccess)
-      e = jax_flash_launch::CachedDeviceAttribute<cudaDevAttrMultiProcessorCount>(device, &sms);
-    if (e != cudaSuccess) return Fail(err, err_len, "jax_flash_bwd_sm90: SM count: %s", cudaGetErrorString(e));
-    launch_args.deterministic = std::max(1, sms / 2);
-  }
+  if (p.deterministic == 1 && ResidentCtas(&launch_args.deterministic, err, err_len) != 0) return 1;
   if (variant.launch(launch_args, stream, err, err_len) != 0) return 1;
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Fail(err, err_len, "jax_flash_bwd_sm90: kernel launch: %s", cudaGetErrorString(e));

@@ -42,6 +42,17 @@ class TileConfig:
     # against 352 TFLOPS): still off. 192 / 128 with it (run 68, non-causal
     # seq 2k / 4k): 0.85 / 0.83 against 0.86 / 0.83 without (twice).
     det_stats_warp: bool = True
+    # dQ accumulators per group of KV tiles in the deterministic variant's
+    # rotated order (warp_roles._write_dq, "dQ chains"): a query tile's
+    # turns alternate between them, so that each CTA waits on the turn
+    # det_turn_chains before its own, at the cost of one more float32 dQ per
+    # chain, zeroed and summed per call. H100, deterministic backward TFLOPS
+    # with two / one, non-causal seq 2k / 4k (results run 93): 192 / 128 281
+    # / 314 against 254 / 284, hd192 314 / 346 against 305 / 331; where the
+    # hand-over did not hold the CTAs up, the extra pass over dQ cost more
+    # than the chains won: hd256 315 / 349 against 330 / 354, hd128 434 / 483
+    # against 451 / 503, hd64 368 / 413 against 376 / 431.
+    det_turn_chains: int = 1
 
     @property
     def dq_tile_rows(self) -> int:
@@ -188,8 +199,10 @@ TILE_CONFIGS = {
     (64, 64): TileConfig(m_block=112, n_block=128, stages=2),
     (96, 96): TileConfig(m_block=64, n_block=128, stages=2),
     (128, 128): TileConfig(m_block=80, n_block=128, stages=2),
-    (192, 192): TileConfig(m_block=64, n_block=64, stages=2, split_head_dim=True, det_stats_warp=False),
-    (192, 128): TileConfig(m_block=64, n_block=64, stages=2, split_head_dim=True, det_stats_warp=False),
+    (192, 192): TileConfig(m_block=64, n_block=64, stages=2, split_head_dim=True, det_stats_warp=False,
+                           det_turn_chains=2),
+    (192, 128): TileConfig(m_block=64, n_block=64, stages=2, split_head_dim=True, det_stats_warp=False,
+                           det_turn_chains=2),
     (256, 256): TileConfig(m_block=64, n_block=64, stages=2, split_head_dim=True, dq_in_stage=True,
                            det_stats_warp=False),
 }

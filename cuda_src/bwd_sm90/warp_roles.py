@@ -73,17 +73,25 @@ class ProducerWarps:
     dq_in_stage, dq_in_tiles and dq_writers (set by FlashBwdSm90.__init__)."""
 
     @cute.jit
+    def _dq_chain_count(self, tma_dQ, batches, heads_q, seqlen_q):
+        """The dQ accumulators in tma_dQ (kernel_api.h: dq_chains)."""
+        if cutlass.const_expr(self.dq_in_tiles):
+            return tma_dQ.shape[0] // (batches * heads_q * cute.ceil_div(seqlen_q, self.m_block) * self.m_block)
+        return tma_dQ.shape[3] // batches
+
+    @cute.jit
     def _write_dq(
         self, tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, hi, q_len, kv_len, n_block, kv_head, batch, batches,
-        group, m_block_min, m_blocks, rotation, rotated_kv_blocks, n_iters, writer, heads_q, seqlen_q,
+        group, m_block_min, m_blocks, rotation, rotated_first, rotated_kv_blocks, chains, chain_first,
+        chain_count, n_iters, writer, heads_q, seqlen_q,
     ):
         """One warp: per query tile of this writer (see DQ_WARP), wait for
         the consumers' dQ tile, add it to the fp32 accumulator with a TMA
         reduce-add and hand the buffer back as soon as the TMA has read it.
         Deterministic: first wait for the tile's turn, and pass the turn on
         once the addition is complete; turn k of a query tile adds into
-        accumulator k % chains (dQ chains below) and waits only on the turns
-        before it there.
+        accumulator chain_first + k % chain_count (dQ chains below) and
+        waits only on the turns before it there.
         dq_in_stage: the tile lies over the query tile's Q / dO stage, which
         this warp then frees for the producer.
         dq_in_tiles: tma_dQ is (rows, D), query tile m_block of (batch,
@@ -91,39 +99,32 @@ class ProducerWarps:
         tiles per head + m_block (kernel_api.h: dq_tile_rows)."""
         D, M, N = self.head_dim, self.m_block, self.n_block
         lane = cute.arch.lane_idx()
-        # dQ chains, the deterministic variant's dQ accumulators: mdQ may hold chains x batch entries,
-        # accumulator c from batch entry c * batch on, which the caller zeroes and sums in order
-        # (kernel_api.h: dq_chains). In the rotated order (no mask), turn k of a query tile adds into
-        # accumulator k % chains, so it waits on turn k - chains instead of k - 1: there a head's CTAs hand
-        # each query tile on every iteration, and one hand-over (TMA add, its completion, the release, the
-        # next CTA's acquire) outlasted an iteration at 64 x 64 tiles. The turns of dq_semaphore take chains
-        # entries per 32 query rows. H100, deterministic over default backward, two chains / one (results
-        # run 92), non-causal seq 2k / 4k: 192 / 128 0.90 / 0.94 against 0.85 / 0.83, hd192 0.91 / 0.92
-        # against 0.90 / 0.87, hd256 0.86 / 0.89 against 0.87 / 0.90. In the other order (masks, and
-        # heads of more KV tiles than may wait on each other) they lost, not understood: causal seq 16k
-        # hd256 0.63 against 0.85, hd128 0.84 against 0.92, non-causal seq 16k 0.90-1.02 against 0.91-0.98;
-        # there the first accumulator takes every turn.
+        # dQ chains, the deterministic variant's dQ accumulators (`chains` of them; kernel_api.h:
+        # dq_chains), which the caller zeroes and sums in order. In the rotated order (no mask), a group of
+        # KV tiles (dsl_common.rotated_order) owns chain_count of them, and turn k of a query tile adds into
+        # its accumulator k % chain_count, so it waits on turn k - chain_count instead of k - 1: there a
+        # head's CTAs hand each query tile on every iteration, and one hand-over (TMA add, its completion,
+        # the release, the next CTA's acquire) outlasted an iteration at 64 x 64 tiles. The turns of
+        # dq_semaphore take chains entries per 32 query rows. H100, deterministic over default backward,
+        # two chains / one (results run 92), non-causal seq 2k / 4k: 192 / 128 0.90 / 0.94 against 0.85 /
+        # 0.83, hd192 0.91 / 0.92 against 0.90 / 0.87, hd256 0.86 / 0.89 against 0.87 / 0.90. In the other
+        # order (masks, and heads split into more groups than there are accumulators) they lost, not
+        # understood: causal seq 16k hd256 0.63 against 0.85, hd128 0.84 against 0.92, non-causal seq 16k
+        # 0.90-1.02 against 0.91-0.98; there the first accumulator takes every turn.
         q_tiles = cute.ceil_div(seqlen_q, M)
-        chains = Int32(1)
-        if rotated_kv_blocks > 0:
-            if cutlass.const_expr(self.dq_in_tiles):
-                chains = tma_dQ.shape[0] // (batches * heads_q * q_tiles * M)
-            else:
-                chains = tma_dQ.shape[3] // batches
         if cutlass.const_expr(not self.dq_in_stage):
             if writer == self.dq_writers - 1 and n_iters > 0:
                 # The buffer starts empty: as if this writer had read tile -1.
                 cute.arch.barrier_arrive(barrier_id=bar_dq_empty(writer), number_of_threads=DQ_BAR_THREADS)
         for it in cutlass.range(writer, n_iters, self.dq_writers, unroll=1):
             head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic, rotation)
-            chain, turn = Int32(0), mDqSem.iterator
+            chain, turn, k = Int32(0), mDqSem.iterator, Int32(0)
             if cutlass.const_expr(self.deterministic):
-                k = Int32(0)
                 if rotated_kv_blocks > 0:
-                    k = rotated_turn(n_block, m_block - m_block_min, rotated_kv_blocks, m_blocks)
+                    k = rotated_turn(n_block - rotated_first, m_block - m_block_min, rotated_kv_blocks, m_blocks)
                 else:
                     k = last_kv_block_seeing(m_block, M, N, hi, q_len, kv_len) - n_block
-                chain = k % chains
+                chain = chain_first + k % chain_count
                 # dq_semaphore has chains entries per 32 query rows.
                 turn = mDqSem.iterator + cute.crd2idx((batch, head, m_block * chains + chain), mDqSem.layout)
             tile = m_block
@@ -142,7 +143,7 @@ class ProducerWarps:
             if cutlass.const_expr(self.deterministic):
                 # Every KV tile before this one in its chain's order has added.
                 if lane == 0:
-                    wait_at_least(turn, k // chains)
+                    wait_at_least(turn, k // chain_count)
                 cute.arch.sync_warp()
             cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, tile])
             cute.arch.cp_async_bulk_commit_group()

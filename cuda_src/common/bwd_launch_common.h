@@ -109,9 +109,10 @@ inline int CheckBwdOperands(const JfBwdArgs* args, BwdSizes n, bool seg, const c
       {args->kv_segment_ids, "kv_segment_ids", seg && has_q && has_kv, 4},
       {args->q_bounds, "q_bounds", seg && has_q && has_kv, 4},
   };
-  if (args->dq_chains < 1 || args->dq_chains > 2 || (args->dq_chains > 1 && args->problem.deterministic != 1))
-    return Fail(err, err_len, "%s: dq_chains must be 1, or 2 with deterministic = 1; got %d", who,
-                int(args->dq_chains));
+  if (args->dq_chains < 1 || args->dq_chains > JF_MAX_DQ_CHAINS ||
+      (args->dq_chains > 1 && args->problem.deterministic != 1))
+    return Fail(err, err_len, "%s: dq_chains must be 1, or up to %d with deterministic = 1; got %d", who,
+                JF_MAX_DQ_CHAINS, int(args->dq_chains));
   if (args->dq_tile_rows < 0)
     return Fail(err, err_len, "%s: dq_tile_rows must be >= 0, got %d", who, int(args->dq_tile_rows));
   for (const auto& e : ptrs) {

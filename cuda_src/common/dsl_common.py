@@ -302,18 +302,36 @@ def query_tile_of(it, kv_head, group, m_block_min, m_blocks, deterministic, rota
 
 @cute.jit
 def rotated_order(n_block, m_blocks, kv_len, n_rows: cutlass.Constexpr, key_lo, key_hi, seqlen_q, seqlen_k,
-                  resident_ctas):
-    """(rotation, kv_blocks) for query_tile_of and rotated_turn in a
-    deterministic backward CTA (n_rows keys) that walks m_blocks query tiles,
-    or (0, 0) for the unrotated order. Rotated, a CTA waits on the turns of
-    CTAs launched after it, so it is used only without a mask (every CTA with
-    work walks all the query tiles) and where those CTAs number at most
-    resident_ctas, which the launcher picks to fit on the GPU at once."""
-    rotation, kv_blocks = Int32(0), Int32(0)
+                  resident_ctas, chains):
+    """(rotation, first, kv_blocks, chain, chain_count) of a deterministic
+    backward CTA (n_rows keys) that walks m_blocks query tiles: it rotates
+    with rotation for query_tile_of among the kv_blocks CTAs from KV tile
+    first on (rotated_turn), adding into dQ accumulators chain to chain +
+    chain_count - 1; kv_blocks = 0 for the unrotated order.
+
+    Rotated, a CTA waits on the turns of CTAs launched after it, so it is
+    used only without a mask (every CTA with work walks all the query tiles)
+    and among CTAs that fit on the GPU at once (resident_ctas, which the
+    launcher picks). A head of more KV tiles splits them into groups of
+    consecutive tiles, launched together, each rotating on its own and
+    adding into accumulators of its own, so that no CTA waits on another
+    group. The caller sizes dq_accum (`chains` accumulators) for the groups
+    of seqlen_k keys (launch.cc: jax_flash_bwd_sm90_deterministic_dq_chains);
+    with fewer accumulators than groups the order stays unrotated."""
+    rotation, first, kv_blocks = Int32(0), Int32(0), Int32(0)
+    chain, chain_count = Int32(0), Int32(1)
     visible = (kv_len + n_rows - 1) // n_rows
-    if key_hi >= seqlen_k - 1 and key_lo <= 1 - seqlen_q and m_blocks > 0 and visible <= resident_ctas:
-        rotation, kv_blocks = n_block % m_blocks, visible
-    return rotation, kv_blocks
+    sized_groups = ((seqlen_k + n_rows - 1) // n_rows + resident_ctas - 1) // resident_ctas
+    if key_hi >= seqlen_k - 1 and key_lo <= 1 - seqlen_q and m_blocks > 0 and sized_groups <= chains:
+        groups = (visible + resident_ctas - 1) // resident_ctas
+        size = (visible + groups - 1) // groups
+        group = n_block // size
+        first = group * size
+        kv_blocks = cutlass.min(size, visible - first)
+        rotation = (n_block - first) % m_blocks
+        chain_count = chains // sized_groups
+        chain = group * chain_count
+    return rotation, first, kv_blocks, chain, chain_count
 
 
 @cute.jit

@@ -155,9 +155,9 @@ int run_backward(const JfBwdArgs* args, char* err, size_t err_len) {
       {"q_bounds", args->q_bounds, no_seg || no_k}};
   if (const int rc = check_pointers(operands, kEntry, err, err_len)) return rc;
   const int chains = args->dq_chains;
-  if (chains < 1 || chains > 2 || (chains > 1 && args->problem.deterministic != 1)) {
-    return fail(err, err_len, kEntry,
-                "dq_chains must be 1, or 2 with deterministic = 1; got %d", chains);
+  if (chains < 1 || chains > JF_MAX_DQ_CHAINS || (chains > 1 && args->problem.deterministic != 1)) {
+    return fail(err, err_len, kEntry, "dq_chains must be 1, or up to %d with deterministic = 1; got %d",
+                JF_MAX_DQ_CHAINS, chains);
   }
   if (args->dq_tile_rows != 0) {
     return fail(err, err_len, kEntry, "dq_accum must be in q's layout (dq_tile_rows 0), got dq_tile_rows %d",

@@ -96,8 +96,6 @@ struct Options {
 // Rows of dq_semaphore per (batch, head): the smallest query tile of any
 // GPU backward kernel is 32 rows.
 constexpr int64_t kSemaphoreRows = 32;
-// dQ accumulators of the deterministic backward (kernel_api.h: dq_chains).
-constexpr int64_t kMaxDqChains = 2;
 
 // Validates q, k, v, q_lens, kv_lens and fills the shared problem description.
 inline ffi::Error MakeProblem(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
@@ -296,9 +294,9 @@ ffi::Error AttentionBackward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k
   if (dq_rank == q_rank + 2) {
     if (auto e = ReadDqTiles(*dq_accum, p, &chains, &args.dq_tile_rows); e.failure()) return e;
   }
-  if (chains < 1 || chains > kMaxDqChains || (chains > 1 && !p.deterministic)) {
+  if (chains < 1 || chains > JF_MAX_DQ_CHAINS || (chains > 1 && !p.deterministic)) {
     return Invalid("dq_accum must have q's shape " + ShapeString(q.dimensions()) +
-                   (p.deterministic ? ", or that after a leading 1 or " + std::to_string(kMaxDqChains)
+                   (p.deterministic ? ", or that after a leading 1 to " + std::to_string(JF_MAX_DQ_CHAINS)
                                     : std::string()) +
                    ", got " + ShapeString(dq_accum->dimensions()));
   }

@@ -16,7 +16,8 @@
 //   dq_accum [dq_chains, batch, seqlen_q, heads_q, head_dim] float32: the
 //            (scaled) dQ is the sum of the dq_chains accumulators in order
 //            (one but for the deterministic backward, where the sm90 kernels
-//            take two and the others fill the first and zero the rest).
+//            take up to JF_MAX_DQ_CHAINS (jax_flash_bwd_sm90_deterministic_
+//            dq_chains) and the others fill the first and zero the rest).
 //            With dq_tile_rows = M > 0 (the sm90 variants that ask for it:
 //            jax_flash_bwd_sm90_dq_tile_rows) it is instead
 //            [batch, dq_chains, heads_q, ceil(seqlen_q / M), M, head_dim],
@@ -63,6 +64,9 @@
 
 #include <stddef.h>
 #include <stdint.h>
+
+// dQ accumulators a deterministic backward call may pass (JfBwdArgs.dq_chains).
+#define JF_MAX_DQ_CHAINS 4
 
 #ifdef __cplusplus
 extern "C" {
@@ -125,7 +129,7 @@ typedef struct JfBwdArgs {
   const int32_t* kv_bounds;
   const int32_t* q_bounds;
   int32_t* dq_semaphore;
-  int32_t dq_chains;  // 1, or up to 2 with problem.deterministic = 1
+  int32_t dq_chains;  // 1, or up to JF_MAX_DQ_CHAINS with problem.deterministic = 1
   int32_t dq_tile_rows;  // 0: dq_accum in q's layout; M: in query tiles
 } JfBwdArgs;
 
