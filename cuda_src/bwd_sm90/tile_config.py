@@ -51,7 +51,12 @@ class TileConfig:
     # / 314 against 254 / 284, hd192 314 / 346 against 305 / 331; where the
     # hand-over did not hold the CTAs up, the extra pass over dQ cost more
     # than the chains won: hd256 315 / 349 against 330 / 354, hd128 434 / 483
-    # against 451 / 503, hd64 368 / 413 against 376 / 431.
+    # against 451 / 503, hd64 368 / 413 against 376 / 431. Four lost
+    # everywhere (H200, results run 15, deterministic over default,
+    # non-causal seq 1k / 4k: 192 / 128 0.69 / 0.83 against 0.86 / 0.90,
+    # hd256 0.64 / 0.81 against 0.89 / 0.90): at short sequences the extra
+    # passes over dQ weigh most. A head of KV tiles in several rotation
+    # groups (dsl_common.rotated_order) takes this many per group.
     det_turn_chains: int = 1
 
     @property
