@@ -312,9 +312,10 @@ class AttentionTestBase:
   def test_deterministic_backward_over_many_keys(self, seq_k, dims):
     # Without a mask, Hopper's deterministic kernels rotate the turns among
     # KV tiles resident at once; on 132 SMs, 4500 keys split each head's
-    # tiles into two groups with dQ accumulators of their own, and 9000 into
-    # more groups than accumulators, which keeps the unrotated order. The
-    # second batch entry sees fewer keys, so its groups are smaller.
+    # tiles into two groups with dQ accumulators of their own, and 9000
+    # would take three, more than the kernels rotate, which keeps the
+    # unrotated order. The second batch entry sees fewer keys, so its groups
+    # are smaller.
     head_dim, head_dim_v = dims
     kv_lens = jnp.array([seq_k, seq_k - 1100], jnp.int32)
     kw = dict(batch=2, seq_q=70, seq_k=seq_k, heads_q=2, heads_kv=1, head_dim=head_dim,

@@ -114,6 +114,14 @@ extern "C" int jax_flash_bwd_sm90_dq_tile_rows(int32_t head_dim, int32_t head_di
   return 0;
 }
 
+// Groups of KV tiles the rotated order may split a head into. H100, bf16,
+// 16 heads, 16k tokens, deterministic backward TFLOPS, non-causal, against
+// the unrotated order (results runs 139-140): two groups 384-387 against 375
+// (hd256 seq 8k), 451-462 against 447 (hd64 16k), 322 against 306 (192 /
+// 128 8k); four groups, one accumulator each, 392-394 against 401 (hd256
+// 16k), 458-462 against 467 (hd64 32k), for four times the dQ scratch.
+constexpr int64_t kMaxRotationGroups = 2;
+
 extern "C" int jax_flash_bwd_sm90_deterministic_dq_chains(int32_t head_dim, int32_t head_dim_v, int32_t seqlen_k) {
   // The rotated order splits a head's KV tiles into groups of resident CTAs,
   // each with turn_chains accumulators of its own (dsl_common.rotated_order).
@@ -126,8 +134,9 @@ extern "C" int jax_flash_bwd_sm90_deterministic_dq_chains(int32_t head_dim, int3
   int resident = 0;
   if (variant.launch == nullptr || seqlen_k <= 0 || ResidentCtas(&resident, nullptr, 0) != 0) return 1;
   const int64_t kv_tiles = (int64_t{seqlen_k} + variant.kv_tile - 1) / variant.kv_tile;
-  const int64_t chains = (kv_tiles + resident - 1) / resident * variant.turn_chains;
-  return chains <= JF_MAX_DQ_CHAINS ? int(chains) : 1;
+  const int64_t groups = (kv_tiles + resident - 1) / resident;
+  const int64_t chains = groups * variant.turn_chains;
+  return groups <= kMaxRotationGroups && chains <= JF_MAX_DQ_CHAINS ? int(chains) : 1;
 }
 
 extern "C" int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream_ptr, char* err, size_t err_len) {
