@@ -51,6 +51,11 @@ from dataclasses import dataclass
 # 542 / 503 against 442-445 / 303-314, 479-492 / 390-409, 541-547 /
 # 502-509; hd192 112 x 2 575 / 421, 646 / 540, 698 / 668 against 544-559 /
 # 421-426, 612-658 / 501-522, 702 / 653-657 (within the spread).
+# Two consumers at hd64 with more keys per tile lost (results run 142, seq
+# 8192 non-causal / causal): 160 x 3 stages 437 / 407, 192 x 3 442 / 412
+# against 500 / 476 for 128 x 4 with three. Without the pingpong between
+# consumers (export --no-pingpong, run 141) hd64 8k ran 498 / 462 and hd128
+# 648 / 623 against 501 / 476 and 653 / 616, within the spread; it stays.
 # (head_dim, head_dim_v) -> (tile_n, kv_stages, consumer warpgroups)
 TILE_CONFIG = {
     (64, 64): (128, 4, 3),
