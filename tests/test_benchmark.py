@@ -301,3 +301,16 @@ def test_compare_variants_takes_medians_per_library_over_rounds(tmp_path, capsys
   assert line.split() == ["hd64", "1024", "causal", "fwd", "300", "320", "[310-330]", "345", "[340-350]"]
   path.write_text("[]")
   assert compare_variants.main([str(path)]) == 1
+
+
+def test_kernel_times_reports_every_implementation_and_head_dim(tmp_path):
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+  import kernel_times
+  out = tmp_path / "times.json"
+  assert kernel_times.main(["--impls", "xla", "--head-dims", "32", "64", "--seq", "64", "--tokens", "64",
+                            "--heads", "1", "--steps", "1", "--out", str(out)]) == 0
+  report = json.loads(out.read_text())
+  assert set(report["microseconds_per_step"]) == {"xla hd32", "xla hd64"}
+  assert report["config"] == {"seq": 64, "tokens": 64, "heads": 1, "causal": False}
+  for times in report["microseconds_per_step"].values():  # GPU activities only: none on a CPU
+    assert all(us >= 0 for us in times.values())
