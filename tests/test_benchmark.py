@@ -2,6 +2,7 @@
 its table, the Pallas tile choices and the plot. Nothing here times anything."""
 
 import json
+import math
 import pathlib
 import sys
 
@@ -314,3 +315,38 @@ def test_kernel_times_reports_every_implementation_and_head_dim(tmp_path):
   assert report["config"] == {"seq": 64, "tokens": 64, "heads": 1, "causal": False}
   for times in report["microseconds_per_step"].values():  # GPU activities only: none on a CPU
     assert all(us >= 0 for us in times.values())
+
+
+def test_sustained_clocks_reports_a_row_per_measurement(tmp_path):
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+  import sustained_clocks
+  out = tmp_path / "clocks.json"
+  assert sustained_clocks.main(["--impls", "xla", "--head-dims", "32", "--ops", "fwd", "step", "--seq", "64",
+                                "--tokens", "64", "--heads", "1", "--seconds", "0.05", "--rounds", "2",
+                                "--out", str(out)]) == 0
+  report = json.loads(out.read_text())
+  assert [(row["round"], row["op"]) for row in report["rows"]] == [(0, "fwd"), (0, "step"), (1, "fwd"),
+                                                                   (1, "step")]
+  config = benchmark.Config(batch=1, seq=64, heads=1, head_dim=32, causal=False)
+  for row in report["rows"]:
+    flops = config.forward_flops() + (config.backward_flops() if row["op"] == "step" else 0)
+    assert row["ms"] > 0 and math.isclose(row["tflops"], flops / row["ms"] / 1e9, rel_tol=1e-9)
+    if row["sm_mhz"] is None:  # no NVIDIA GPU here
+      assert row["watts"] is None and row["tflops_per_ghz"] is None
+
+
+def test_sustained_clocks_reads_nvidia_smi_samples():
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+  import sustained_clocks
+
+  class Sampler:
+    def terminate(self):
+      pass
+
+    def communicate(self):
+      # Of seven readable samples the first two and last two are left out.
+      return ("1980, 300.5, 40\n1700, 690.0, 60\n1710, 695.0, 62\n[N/A], 1, 1\n1720, 700.0, 63\n"
+              "1690, 680.0, 61\n1400, 400.0, 50\n1980, 120.0, 50\n", None)
+
+  assert sustained_clocks.stop_sampler(Sampler()) == dict(sm_mhz=1710.0, watts=695.0, max_temp_c=63.0)
+  assert sustained_clocks.stop_sampler(None) == dict(sm_mhz=None, watts=None, max_temp_c=None)
