@@ -115,6 +115,10 @@ REDUCTION_PARTIALS = {(64, 64): 4}
 # Nsight Compute on it (hd128, seq 8192, run 62) reads L2 throughput 53%,
 # the tensor pipe 75% busy, issue slots 36%. hd128 with 160-key tiles and two
 # stages, paired, ran 431 / 556 / 596 / 616 at 1k / 4k / 8k / 16k (run 61).
+# Clusters of four query tiles, each loading a quarter of every K / V tile
+# (results run 150, hd128 non-causal, seq 4k / 8k / 16k, medians of three):
+# 585 / 610 / 641 against 619 / 663 / 677 for the pairs (control 622 / 648 /
+# 677, cuDNN 588 / 610 / 616); not kept.
 # Under causal masks too (the cluster walking the union of its two tiles' KV
 # ranges; the lower tile skips the one it cannot see), results runs 109-110,
 # causal forward TFLOPS against the plain variant timed in turn: hd256 8k
