@@ -53,7 +53,10 @@ from dataclasses import dataclass
 # 421-426, 612-658 / 501-522, 702 / 653-657 (within the spread).
 # Two consumers at hd64 with more keys per tile lost (results run 142, seq
 # 8192 non-causal / causal): 160 x 3 stages 437 / 407, 192 x 3 442 / 412
-# against 500 / 476 for 128 x 4 with three. Without the pingpong between
+# against 500 / 476 for 128 x 4 with three. Three consumers with fewer keys
+# per tile lost too (run 151, seq 8192 / 16384, non-causal / causal): 96 x 5
+# stages 466 / 439, 470 / 463 and 112 x 4 466 / 447, 472 / 464 against 502 /
+# 470, 510 / 498 (control 506 / 480, 508 / 501). Without the pingpong between
 # consumers (export --no-pingpong, run 141) hd64 8k ran 498 / 462 and hd128
 # 648 / 623 against 501 / 476 and 653 / 616, within the spread; it stays.
 # (head_dim, head_dim_v) -> (tile_n, kv_stages, consumer warpgroups)
