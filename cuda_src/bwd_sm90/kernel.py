@@ -63,7 +63,6 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from common.dsl_common import (
     cap_scores,
     cap_scores_with_slope,
-    capped_score_slope,
     logit_scales,
     query_tile_of,
     rotated_order,
@@ -72,18 +71,21 @@ from common.dsl_common import (
     store_existing_rows,
     wgmma_acc_as_rows_cols,
 )
+from shared_storage import shared_storage, shared_tiles
 from tile_config import TILE_CONFIGS, TileConfig
 from transposed_scores import (
+    QueryStats,
     load_query_stats,
     lse_to_log2,
     own_query_column,
-    query_stat,
+    probabilities_in_place,
+    score_gradients_in_place,
     stat_pairs,
     warp_sees_several_ids,
     zero_hidden_pairs,
 )
 from wgmma_views import (
-    WGMMA_M, as_operand_a, dq_tile_layout, issue_wgmma, key_rows_mma, smem_tile_layout, stage_pair_views,
+    WGMMA_M, as_operand_a, dq_tile_layout, issue_wgmma, key_rows_mma, smem_tile_layout, stage_accumulator,
     store_dq_fragments, tiled_mma, transposed,
 )
 from warp_roles import (
@@ -283,28 +285,8 @@ class FlashBwdSm90(ProducerWarps):
                 cpasync.CopyReduceBulkTensorTileS2GOp(), seq_major(mdQ), sdQ_layout, (M, D)
             )
 
-        def buffer(dtype, cosize, used=True):
-            # An unused one is empty and unaligned: 1024 bytes of alignment
-            # each would not fit at hd256.
-            return cute.struct.Align[cute.struct.MemRange[dtype, cosize], 1024] if used else cute.struct.MemRange[dtype, 0]
-
-        @cute.struct
-        class SharedStorage:
-            pipe_bar: cute.struct.MemRange[cutlass.Int64, 2 * st]
-            kv_bar: cute.struct.MemRange[cutlass.Int64, 1]
-            # lse * log2 e and delta of each stage's query rows (STATS_WARP).
-            sStats: cute.struct.Align[cute.struct.MemRange[Float32, 2 * M * st], 16]
-            # dq_in_stage: sQ holds Q and dO of each stage side by side
-            # (no sdO, no sdQ), the fp32 dQ tile's 4 M D bytes exactly.
-            sQ: buffer(self.dtype, (2 if self.dq_in_stage else 1) * cute.cosize(sQ_layout))
-            sdO: buffer(self.dtype, cute.cosize(sdO_layout), not self.dq_in_stage)
-            sK: buffer(self.dtype, cute.cosize(sK_layout))
-            sV: buffer(self.dtype, cute.cosize(sV_layout))
-            sdS: buffer(self.dtype, cute.cosize(sdS_layout))
-            sdQ: buffer(Float32, cute.cosize(sdQ_layout), not self.dq_in_stage)
-            # Per-warp partial (min first, max last) of the keys' q_bounds.
-            sSegRange: cute.struct.MemRange[Int32, 2 * NUM_WARPS]
-            sP: buffer(self.dtype, cute.cosize(sdS_layout), split)
+        layouts = dict(sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sV=sV_layout, sdS=sdS_layout, sdQ=sdQ_layout)
+        SharedStorage = shared_storage(self.dtype, M, st, layouts, self.dq_in_stage, split)
 
         store_dk = row_store_tile(self.dtype, D, NUM_MMA_THREADS)
 
@@ -425,22 +407,10 @@ class FlashBwdSm90(ProducerWarps):
             tx_count=bytes_QdO,
         )
 
-        if cutlass.const_expr(self.dq_in_stage):
-            sQ, sdO, sdQ = stage_pair_views(storage.sQ, sQ_layout, sdQ_layout, self.dtype, st, self.dq_in_tiles)
-        else:
-            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-            sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
-        sStats = storage.sStats.get_tensor(cute.make_layout((M, 2, st)))
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sP = None
-        if cutlass.const_expr(self.split_head_dim):
-            sP = storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        if cutlass.const_expr(not self.dq_in_stage and self.dq_in_tiles):
-            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer)
-        elif cutlass.const_expr(not self.dq_in_stage):
-            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        layouts = dict(sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sV=sV_layout, sdS=sdS_layout, sdQ=sdQ_layout)
+        sQ, sdO, sdQ, sStats, sK, sV, sdS, sP = shared_tiles(
+            storage, layouts, self.dtype, M, st, self.dq_in_stage, self.dq_in_tiles, self.split_head_dim
+        )
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -552,7 +522,6 @@ class FlashBwdSm90(ProducerWarps):
         # S^T and dP^T tiles: (key, query row) of every accumulator element.
         tScS = wgmma_acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((N, M))))
         n_keys = cute.size(tScS, mode=[0])
-        n_queries = cute.size(tScS, mode=[1])
         n0 = n_block * N
         # Segment ids of this thread's keys (fixed for the CTA); positions
         # past the sequence read a clamped id and are masked anyway.
@@ -608,6 +577,10 @@ class FlashBwdSm90(ProducerWarps):
                 for b in cutlass.range_constexpr(2):
                     lse_log2_pair[b] = lse_to_log2(lse_q[b])
                     delta_pair[b] = delta_q[b]
+            smem_stats = None
+            if cutlass.const_expr(self.dq_transposed):
+                smem_stats = (sStats, stats_stage, tScS)
+            stats = QueryStats(lse_log2_pair, delta_pair, lane, smem_stats)
 
             n_seg = 2 * stat_pairs(M // NUM_MMA_WG if split else M)
             seg_pair = cute.make_rmem_tensor(n_seg, Int32)
@@ -625,16 +598,10 @@ class FlashBwdSm90(ProducerWarps):
                 acc_slope = cute.make_fragment_like(acc_S)
                 cap_scores_with_slope(acc_S, acc_slope, softcap_in)
             acc_S_mn = wgmma_acc_as_rows_cols(acc_S)
-            for c in cutlass.range_constexpr(n_queries):
-                if cutlass.const_expr(self.dq_transposed):
-                    # Read before the S^T wait instead (all 28 columns at
-                    # hd64, 10 or 14 of hd128's 20: more spill) it ran no
-                    # faster, hd64 slower (results run 73).
-                    row_lse = sStats[tScS[0, c][1], 0, stats_stage]
-                else:
-                    row_lse = query_stat(lse_log2_pair, c, lane)
-                for r in cutlass.range_constexpr(n_keys):
-                    acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - row_lse, fastmath=True)
+            # With dq_transposed lse comes from sStats here: read before the
+            # S^T wait instead (all 28 columns at hd64, 10 or 14 of hd128's
+            # 20: more spill) it ran no faster, hd64 slower (results run 73).
+            probabilities_in_place(acc_S_mn, stats, scale_log2)
             full_tile = (
                 m0 + M <= q_len
                 and n0 + N <= kv_len
@@ -666,22 +633,8 @@ class FlashBwdSm90(ProducerWarps):
                 # which only needs this warpgroup's keys: no barrier before it.
                 issue_wgmma(mma_dv, acc_dV, as_operand_a(rPt), tdVrdOt[None, None, None, s], False)
                 warpgroup.wait_group(1)
-            acc_dP_mn = wgmma_acc_as_rows_cols(acc_dP)
-            for c in cutlass.range_constexpr(n_queries):
-                if cutlass.const_expr(self.dq_transposed):
-                    delta = sStats[tScS[0, c][1], 1, stats_stage]
-                else:
-                    delta = query_stat(delta_pair, c, lane)
-                if cutlass.const_expr(self.slope_from_probability):
-                    # P's row statistic again, to recover tanh from P.
-                    if cutlass.const_expr(self.dq_transposed):
-                        row_lse = sStats[tScS[0, c][1], 0, stats_stage]
-                    else:
-                        row_lse = query_stat(lse_log2_pair, c, lane)
-                for r in cutlass.range_constexpr(n_keys):
-                    acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - delta)
-                    if cutlass.const_expr(self.slope_from_probability):
-                        acc_dP_mn[r, c] *= capped_score_slope(acc_S_mn[r, c], row_lse, inv_scale_log2)
+            score_gradients_in_place(wgmma_acc_as_rows_cols(acc_dP), acc_S_mn, stats, self.slope_from_probability,
+                                     inv_scale_log2)
             if cutlass.const_expr(self.has_softcap and not self.slope_from_probability):
                 acc_dP.store(acc_dP.load() * acc_slope.load())
             if cutlass.const_expr(self.dq_transposed):
@@ -745,17 +698,8 @@ class FlashBwdSm90(ProducerWarps):
 
         # ---- epilogue: dK, dV staged through sK / sV (no GEMM reads them now).
         cute.arch.barrier(barrier_id=BAR_EPI, number_of_threads=NUM_MMA_THREADS)
-        r2s_dkv = cute.make_tiled_copy_C(stsm_atom, mma_dkv)
-        thr_r2s_dkv = r2s_dkv.get_slice(tidx)
-        acc_dK.store(acc_dK.load() * scale)
-        rdK = cute.make_fragment_like(acc_dK, self.dtype)
-        rdK.store(acc_dK.load().to(self.dtype))
-        cute.copy(r2s_dkv, thr_r2s_dkv.retile(rdK), thr_r2s_dkv.partition_D(sK)[None, None, None, 0])
-        r2s_dv = cute.make_tiled_copy_C(stsm_atom, mma_dv)
-        thr_r2s_dv = r2s_dv.get_slice(tidx)
-        rdV = cute.make_fragment_like(acc_dV, self.dtype)
-        rdV.store(acc_dV.load().to(self.dtype))
-        cute.copy(r2s_dv, thr_r2s_dv.retile(rdV), thr_r2s_dv.partition_D(sV)[None, None, None, 0])
+        stage_accumulator(acc_dK, stsm_atom, mma_dkv, sK, tidx, self.dtype, scale)
+        stage_accumulator(acc_dV, stsm_atom, mma_dv, sV, tidx, self.dtype)
         cute.arch.barrier(barrier_id=BAR_EPI, number_of_threads=NUM_MMA_THREADS)
         store_existing_rows(store_dk, sK[None, None, 0], mdK[batch, None, kv_head, None], n_block, seqlen_k, tidx, N, D, self.dtype)
         store_dv = row_store_tile(self.dtype, Dv, NUM_MMA_THREADS)

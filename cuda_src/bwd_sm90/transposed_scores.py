@@ -11,7 +11,7 @@ thread spilled at head_dim 64.) The 32 lanes serve 8 groups, 64 columns, per
 pair of rows: 80 or 112 query rows give each lane one pair per 64 columns
 (stat_pairs), the lanes past the last group serving nobody. (Those tiles
 take only their segment ids this way: each thread reads lse and delta of its
-own columns from shared memory, see kernel.py.)
+own columns from shared memory, QueryStats.)
 """
 
 import math
@@ -19,6 +19,8 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+
+from common.dsl_common import capped_score_slope
 
 LOG2E = math.log2(math.e)
 
@@ -107,3 +109,51 @@ def zero_hidden_pairs(acc_mn, tScS, m0, n0, q_len, kv_len, lo, hi, key_seg=None,
                     acc_mn[r, c] = Float32(0.0)
             elif key < key_lo or key >= key_hi:
                 acc_mn[r, c] = Float32(0.0)
+
+
+class QueryStats:
+    """lse * log2 e and delta of a score tile's query columns as this thread
+    reads them: by shuffles from the lanes' pairs (query_stat), or, given
+    smem_stats = (sStats, stage, tScS) for query rows that do not tile
+    WGMMA's M, each column its own from the stats warp's stage."""
+
+    def __init__(self, lse_log2_pair, delta_pair, lane, smem_stats=None):
+        self.pairs = (lse_log2_pair, delta_pair)
+        self.lane = lane
+        self.smem_stats = smem_stats
+
+    def _column(self, which: int, c: int):
+        if self.smem_stats is None:
+            return query_stat(self.pairs[which], c, self.lane)
+        sStats, stage, tScS = self.smem_stats
+        return sStats[tScS[0, c][1], which, stage]
+
+    def lse_log2(self, c: int):
+        return self._column(0, c)
+
+    def delta(self, c: int):
+        return self._column(1, c)
+
+
+def probabilities_in_place(acc_S_mn, stats: QueryStats, scale_log2):
+    """P^T = exp2(S^T scale log2 e - lse log2 e) over S^T's (keys, query
+    columns) view."""
+    for c in range(cute.size(acc_S_mn, mode=[1])):
+        row_lse = stats.lse_log2(c)
+        for r in range(cute.size(acc_S_mn, mode=[0])):
+            acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - row_lse, fastmath=True)
+
+
+def score_gradients_in_place(acc_dP_mn, acc_P_mn, stats: QueryStats, slope_from_probability: bool,
+                             inv_scale_log2):
+    """dS^T = P^T (dP^T - delta) over dP^T's (keys, query columns) view; with
+    slope_from_probability (softcap) also times tanh's slope, recovered from
+    P^T and the column's lse."""
+    for c in range(cute.size(acc_dP_mn, mode=[1])):
+        delta = stats.delta(c)
+        if slope_from_probability:
+            row_lse = stats.lse_log2(c)
+        for r in range(cute.size(acc_dP_mn, mode=[0])):
+            acc_dP_mn[r, c] = acc_P_mn[r, c] * (acc_dP_mn[r, c] - delta)
+            if slope_from_probability:
+                acc_dP_mn[r, c] *= capped_score_slope(acc_P_mn[r, c], row_lse, inv_scale_log2)

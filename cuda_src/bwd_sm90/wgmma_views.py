@@ -78,6 +78,18 @@ def store_dq_fragments(acc: cute.Tensor, tile: cute.Pointer, wg, warp, lane):
     cute.copy(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32, num_bits_per_copy=64), src, dst)
 
 
+def stage_accumulator(acc, copy_atom, mma, dst, tidx, dtype, scale=None):
+    """acc (times scale), converted to dtype, into stage 0 of the shared tile
+    dst, through copy_atom in the accumulator layout of mma."""
+    r2s = cute.make_tiled_copy_C(copy_atom, mma)
+    thr = r2s.get_slice(tidx)
+    if scale is not None:
+        acc.store(acc.load() * scale)
+    frag = cute.make_fragment_like(acc, dtype)
+    frag.store(acc.load().to(dtype))
+    cute.copy(r2s, thr.retile(frag), thr.partition_D(dst)[None, None, None, 0])
+
+
 def transposed(t: cute.Tensor) -> cute.Tensor:
     """(rows, cols[, stages]) -> (cols, rows[, stages]) view of the same bytes."""
     rest = tuple(range(2, cute.rank(t)))
