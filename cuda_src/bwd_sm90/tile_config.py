@@ -57,9 +57,10 @@ class TileConfig:
     # hd256 0.64 / 0.81 against 0.89 / 0.90): at short sequences the extra
     # passes over dQ weigh most. One instead of two at short sequences lost
     # too (H100, results run 152, deterministic over default, non-causal seq
-    # 1k / 2k, two processes each): 192 / 128 0.82 / 0.79-0.80 against 0.83-0.84
-    # / 0.87-0.88, hd192 0.84 / 0.82 against 0.85-0.86 / 0.88. A head of KV tiles in several rotation
-    # groups (dsl_common.rotated_order) takes this many per group.
+    # 1k / 2k, two processes each): 192 / 128 0.82 / 0.79-0.80 against
+    # 0.83-0.84 / 0.87-0.88, hd192 0.84 / 0.82 against 0.85-0.86 / 0.88.
+    # A head of KV tiles in several rotation groups
+    # (dsl_common.rotated_order) takes this many per group.
     det_turn_chains: int = 1
 
     @property
