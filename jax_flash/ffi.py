@@ -205,15 +205,57 @@ def _backward(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_boun
       jax.ShapeDtypeStruct((*batch, heads_q, tiles), jnp.int32),
   )
   kernel = jax.ffi.ffi_call(_target(call.backend, "bwd"), out_types, vmap_method="broadcast_all")
-  dq, dk, dv, _ = kernel(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_bounds,
-                         q_bounds, **call.attributes("bwd"))
+  dq, dk, dv, turns = kernel(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_bounds,
+                             q_bounds, **call.attributes("bwd"))
   if rows:
     dq = jnp.moveaxis(_dq_from_tiles(dq, seq_q), -4, 0)  # chains first, as in q's layout
     if chains == 1:
       dq = dq[0]
+  query_tile = _first_turn_query_tile(q, v, q_ids, call)
+  if query_tile:
+    dq = _written_tiles_only(dq, turns, query_tile, chains)
   if chains > 1:
     dq = functools.reduce(operator.add, list(dq))  # in order: the same sum every run
   return dq, dk, dv
+
+
+def _first_turn_query_tile(q, v, q_ids, call: KernelCall) -> int:
+  """The query rows per dq_semaphore turn of the Hopper deterministic
+  backward where it serves the call, else 0. Its first turn at each dQ tile
+  stores the tile instead of adding it, so dq_accum is not zeroed first and a
+  tile that no turn reached holds whatever the buffer held
+  (cuda_src/bwd_sm90/warp_roles.py, _write_dq)."""
+  if not call.deterministic or call.backend != "gpu" or (gpu_compute_capability() or (0,))[0] != 9:
+    return 0
+  if q.dtype not in (jnp.float16, jnp.bfloat16):
+    return 0
+  serves = configs.sm90_backward_serves(
+      deterministic=True, has_segments=q_ids.shape[-1] > 0, softcap=call.softcap > 0,
+      batch=math.prod(q.shape[:-3]), heads_kv=v.shape[-2])
+  return _sm90_deterministic_query_tile(q.shape[-1], v.shape[-1]) if serves else 0
+
+
+@functools.cache
+def _sm90_deterministic_query_tile(head_dim: int, head_dim_v: int) -> int:
+  query = getattr(_cuda_library, "jax_flash_bwd_sm90_deterministic_query_tile", None)
+  if query is None:  # no Hopper kernels in this build, or one that zeroes dq_accum
+    return 0
+  query.argtypes = (ctypes.c_int32, ctypes.c_int32)
+  query.restype = ctypes.c_int
+  return int(query(head_dim, head_dim_v))
+
+
+def _written_tiles_only(dq, turns, query_tile: int, chains: int):
+  """dq ([chains,] *batch, seq_q, heads, dim) with zeros in the query tiles
+  whose count of turns is 0 in `turns` ([*batch, heads, entries], entry
+  tile x chains + chain; kernel_api.h: dq_semaphore)."""
+  *batch, heads, _ = turns.shape
+  seq_q = dq.shape[-3]
+  tiles = -(-seq_q // query_tile)
+  written = turns[..., :tiles * chains].reshape(*batch, heads, tiles, chains) > 0
+  written = jnp.repeat(written, query_tile, axis=-2)[..., :seq_q, :]  # [*batch, heads, seq_q, chains]
+  written = jnp.swapaxes(jnp.moveaxis(written, -1, 0), -1, -2)[..., None]  # [chains, *batch, seq_q, heads, 1]
+  return jnp.where(written if chains > 1 else written[0], dq, 0.0)
 
 
 def _dq_tile_rows(q, v, q_ids, call: KernelCall) -> int:

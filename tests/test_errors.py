@@ -457,3 +457,26 @@ def test_varlen_rank_and_causal_cross_documents():
   with pytest.raises(NotImplementedError, match="causal or windowed varlen attention needs the "
                                                 "documents of q and k to coincide"):
     jax_flash.varlen_attention(q, q, q, offsets, offsets, causal=True)
+
+
+@pytest.mark.parametrize("chains", [1, 2])
+def test_deterministic_dq_keeps_only_the_tiles_a_turn_wrote(chains):
+  """ffi._written_tiles_only: Hopper's deterministic backward does not zero
+  dq_accum, so a query tile whose dq_semaphore count (entry tile x chains +
+  chain) is 0 must read as zeros, whatever the buffer held."""
+  rng = np.random.default_rng(chains)
+  batch, seq, heads, dim, tile = 2, 100, 3, 8, 32  # tiles of 32 rows: 4, the last partial
+  garbage = rng.standard_normal((chains, batch, seq, heads, dim)).astype(np.float32)
+  tiles = -(-seq // tile)
+  turns = rng.integers(0, 3, (batch, heads, chains * -(-seq // 32))).astype(np.int32)
+  turns[0, 1, :] = 0  # a head that no KV tile reached
+  dq = garbage if chains > 1 else garbage[0]
+  kept = np.asarray(ffi._written_tiles_only(jnp.asarray(dq), jnp.asarray(turns), tile, chains))
+  for c in range(chains):
+    for b in range(batch):
+      for h in range(heads):
+        for t in range(tiles):
+          rows = slice(t * tile, (t + 1) * tile)
+          got = (kept[c] if chains > 1 else kept)[b, rows, h]
+          want = garbage[c, b, rows, h] if turns[b, h, t * chains + c] > 0 else 0.0
+          np.testing.assert_array_equal(got, want)

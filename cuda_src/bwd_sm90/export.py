@@ -7,8 +7,9 @@ dtype and (head_dim, head_dim_v) of TILE_CONFIGS, NAME.o and NAME.h
 (export_to_c; named ..._hd<head_dim> or, where V is narrower,
 ..._hd<head_dim>v<head_dim_v>), and bwd_sm90_variants_<arch>.h with one
 X-macro per kind for launch.cc, X(arch tag, JfDtype, head_dim, head_dim_v,
-prefix, dq_tile_rows, kv_tile, turn_chains) (kernel_api.h: dq_tile_rows, 0
-for dQ in q's layout; the keys per CTA; tile_config.py: det_turn_chains).
+prefix, dq_tile_rows, kv_tile, turn_chains, query_tile) (kernel_api.h:
+dq_tile_rows, 0 for dQ in q's layout; the keys per CTA; tile_config.py:
+det_turn_chains; the query rows per dQ tile, i.e. per dq_semaphore turn).
 
 Runtime scalars are plain kernel parameters: export_to_c supports Float32 and
 Int32 arguments and maps them to `float` / `int32_t` parameters of the C
@@ -124,7 +125,7 @@ def main(argv=None):
                                  g=has_segments, c=has_softcap: _compile_variant(d, h, hv, x, g, c, tile)))
                 cfg = tile or TILE_CONFIGS[head_dim, head_dim_v]
                 rows[infix].append(f"{tag}, {jf_dtype}, {head_dim}, {head_dim_v}, {name}, {cfg.dq_tile_rows}, "
-                                   f"{cfg.n_block}, {cfg.det_turn_chains}")
+                                   f"{cfg.n_block}, {cfg.det_turn_chains}, {cfg.m_block}")
 
     names = export_variants(args.out, variants)
     write_variants_header(
@@ -133,19 +134,19 @@ def main(argv=None):
         guard=f"JAX_FLASH_BWD_SM90_VARIANTS_{tag.upper()}_H_",
         include_names=names,
         macros=[
-            ("X(arch tag, JfDtype, head_dim, head_dim_v, prefix, dq_tile_rows, kv_tile, turn_chains), plain", f"JF_BWD_SM90_VARIANTS_{tag.upper()}", rows["bwd90"]),
+            ("X(arch tag, JfDtype, head_dim, head_dim_v, prefix, dq_tile_rows, kv_tile, turn_chains, query_tile), plain", f"JF_BWD_SM90_VARIANTS_{tag.upper()}", rows["bwd90"]),
             (
-                "X(arch tag, JfDtype, head_dim, head_dim_v, prefix, dq_tile_rows, kv_tile, turn_chains), deterministic",
+                "X(arch tag, JfDtype, head_dim, head_dim_v, prefix, dq_tile_rows, kv_tile, turn_chains, query_tile), deterministic",
                 f"JF_BWD_SM90_DET_VARIANTS_{tag.upper()}",
                 rows["bwd90det"],
             ),
             (
-                "X(arch tag, JfDtype, head_dim, head_dim_v, prefix, dq_tile_rows, kv_tile, turn_chains), packed-document (has_segments)",
+                "X(arch tag, JfDtype, head_dim, head_dim_v, prefix, dq_tile_rows, kv_tile, turn_chains, query_tile), packed-document (has_segments)",
                 f"JF_BWD_SM90_SEG_VARIANTS_{tag.upper()}",
                 rows["bwdseg90"],
             ),
             (
-                "X(arch tag, JfDtype, head_dim, head_dim_v, prefix, dq_tile_rows, kv_tile, turn_chains), soft-capped (has_softcap)",
+                "X(arch tag, JfDtype, head_dim, head_dim_v, prefix, dq_tile_rows, kv_tile, turn_chains, query_tile), soft-capped (has_softcap)",
                 f"JF_BWD_SM90_CAP_VARIANTS_{tag.upper()}",
                 rows["bwdcap90"],
             ),

@@ -276,13 +276,20 @@ class FlashBwdSm90(ProducerWarps):
             # The launcher passes the tiles as [B x chains x Hq, tiles x M, 1]:
             # one (rows, D) view, tile t its rows t M on.
             rows = mdQ.shape[0] * mdQ.shape[1] * mdQ.shape[2]
-            dq_rows = cute.make_tensor(mdQ.iterator, cute.make_layout((rows, D), stride=(D, 1)))
-            tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(), dq_rows, sdQ_layout.outer, (M, D)
-            )
+            dq_view = cute.make_tensor(mdQ.iterator, cute.make_layout((rows, D), stride=(D, 1)))
+            dq_smem = sdQ_layout.outer
         else:
-            tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(), seq_major(mdQ), sdQ_layout, (M, D)
+            dq_view, dq_smem = seq_major(mdQ), sdQ_layout
+        tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), dq_view, dq_smem, (M, D)
+        )
+        # Deterministic: the first turn of each dQ accumulator stores its tile
+        # instead of adding it, so the caller need not zero dq_accum
+        # (_write_dq).
+        tma_atom_dQ_store, tma_dQ_store = None, None
+        if cutlass.const_expr(self.deterministic):
+            tma_atom_dQ_store, tma_dQ_store = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), dq_view, dq_smem, (M, D)
             )
 
         layouts = dict(sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sV=sV_layout, sdS=sdS_layout, sdQ=sdQ_layout)
@@ -307,7 +314,7 @@ class FlashBwdSm90(ProducerWarps):
             scale, softcap, key_lo, key_hi, deterministic if self.deterministic else None,
             mQSeg, mKVSeg, mQBounds,
             sQ_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout,
-            mma_sdp, mma_dkv, mma_dq, store_dk, SharedStorage,
+            mma_sdp, mma_dkv, mma_dq, store_dk, SharedStorage, tma_dQ_store, tma_atom_dQ_store,
         ).launch(
             grid=grid, block=[NUM_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
             # Tells ptxas the register count at entry (65536 / 384 threads), without
@@ -331,6 +338,7 @@ class FlashBwdSm90(ProducerWarps):
         sdQ_layout: cute.ComposedLayout, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
         store_dk: cute.TiledCopy,
         SharedStorage: cutlass.Constexpr,
+        tma_dQ_store: Optional[cute.Tensor], tma_atom_dQ_store: Optional[cute.CopyAtom],
     ):
         D, M, N, st = self.head_dim, self.m_block, self.n_block, self.stages
         sdO_layout = self._dO_layout()
@@ -384,6 +392,8 @@ class FlashBwdSm90(ProducerWarps):
         if warp_idx == 0:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dQ):
                 cpasync.prefetch_descriptor(atom)
+            if cutlass.const_expr(self.deterministic):
+                cpasync.prefetch_descriptor(tma_atom_dQ_store)
 
         kv_bar = storage.kv_bar.data_ptr()
         if tidx == 0:
@@ -430,6 +440,7 @@ class FlashBwdSm90(ProducerWarps):
                     tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, hi, q_len, kv_len, n_block, kv_head, batch,
                     mdK.shape[0], group, m_block_min, m_blocks, rotation, rotated_first, rotated_kv_blocks,
                     chains, chain_first, chain_count, n_iters, warp_idx - DQ_WARP, mLSE.shape[1], seqlen_q,
+                    tma_dQ_store, tma_atom_dQ_store,
                 )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)

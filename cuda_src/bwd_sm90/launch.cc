@@ -37,9 +37,9 @@ using jax_flash_launch::Fail;
   , reinterpret_cast<PREFIX##_Tensor_mQSeg_t*>(const_cast<SegIds*>(&a.q_seg)),      \
       reinterpret_cast<PREFIX##_Tensor_mKVSeg_t*>(const_cast<SegIds*>(&a.kv_seg)),  \
       reinterpret_cast<PREFIX##_Tensor_mQBounds_t*>(const_cast<Bounds*>(&a.q_bounds))
-#define JF_BWD_DEFINE_LAUNCH(ARCH, DTYPE, HDIM, HDIM_V, PREFIX, DQ_TILE_ROWS, KV_TILE, TURN_CHAINS) \
+#define JF_BWD_DEFINE_LAUNCH(ARCH, DTYPE, HDIM, HDIM_V, PREFIX, DQ_TILE_ROWS, KV_TILE, TURN_CHAINS, QUERY_TILE) \
   JF_BWD_DEFINE_LAUNCH_WITH("jax_flash_bwd_sm90", PREFIX, JF_BWD_NO_SEG_ARGS)
-#define JF_BWD_DEFINE_SEG_LAUNCH(ARCH, DTYPE, HDIM, HDIM_V, PREFIX, DQ_TILE_ROWS, KV_TILE, TURN_CHAINS) \
+#define JF_BWD_DEFINE_SEG_LAUNCH(ARCH, DTYPE, HDIM, HDIM_V, PREFIX, DQ_TILE_ROWS, KV_TILE, TURN_CHAINS, QUERY_TILE) \
   JF_BWD_DEFINE_LAUNCH_WITH("jax_flash_bwd_sm90", PREFIX, JF_BWD_SM90_SEG_ARGS)
 JF_BWD_SM90_VARIANTS_SM90A(JF_BWD_DEFINE_LAUNCH)
 JF_BWD_SM90_DET_VARIANTS_SM90A(JF_BWD_DEFINE_LAUNCH)
@@ -62,7 +62,7 @@ struct Variant {
 // either (kernel.py says why): those problems run on the sm80 backward.
 Variant FindVariant(int arch, const JfProblem& p) {
   const bool deterministic = p.deterministic == 1, segments = p.has_segments == 1, softcap = p.softcap != 0.0f;
-#define JF_BWD_MATCH(ARCH, DTYPE, HDIM, HDIM_V, PREFIX, DQ_TILE_ROWS, KV_TILE, TURN_CHAINS) \
+#define JF_BWD_MATCH(ARCH, DTYPE, HDIM, HDIM_V, PREFIX, DQ_TILE_ROWS, KV_TILE, TURN_CHAINS, QUERY_TILE) \
   if (p.dtype == DTYPE && p.head_dim == HDIM && p.head_dim_v == HDIM_V) return {&Launch_##PREFIX, DQ_TILE_ROWS, KV_TILE, TURN_CHAINS};
   if (arch != 90 || (deterministic && segments) || (softcap && (deterministic || segments))) return {};
   if (softcap) {
@@ -107,10 +107,22 @@ extern "C" int jax_flash_bwd_sm90_can_implement(const JfProblem* p) {
 
 extern "C" int jax_flash_bwd_sm90_dq_tile_rows(int32_t head_dim, int32_t head_dim_v) {
   // Every kind of variant of the same head dims shares its tile (tile_config.py).
-#define JF_BWD_ROWS(ARCH, DTYPE, HDIM, HDIM_V, PREFIX, DQ_TILE_ROWS, KV_TILE, TURN_CHAINS) \
+#define JF_BWD_ROWS(ARCH, DTYPE, HDIM, HDIM_V, PREFIX, DQ_TILE_ROWS, KV_TILE, TURN_CHAINS, QUERY_TILE) \
   if (head_dim == HDIM && head_dim_v == HDIM_V) return DQ_TILE_ROWS;
   JF_BWD_SM90_VARIANTS_SM90A(JF_BWD_ROWS)
 #undef JF_BWD_ROWS
+  return 0;
+}
+
+// The deterministic kernels write the first turn of each dQ accumulator's
+// tile instead of adding it, so dq_accum is not zeroed for them: the caller
+// keeps the query tiles (of this many rows, one dq_semaphore entry each)
+// whose count of turns is nonzero. 0: no deterministic kernel of these dims.
+extern "C" int jax_flash_bwd_sm90_deterministic_query_tile(int32_t head_dim, int32_t head_dim_v) {
+#define JF_BWD_QUERY_TILE(ARCH, DTYPE, HDIM, HDIM_V, PREFIX, DQ_TILE_ROWS, KV_TILE, TURN_CHAINS, QUERY_TILE) \
+  if (head_dim == HDIM && head_dim_v == HDIM_V) return QUERY_TILE;
+  JF_BWD_SM90_DET_VARIANTS_SM90A(JF_BWD_QUERY_TILE)
+#undef JF_BWD_QUERY_TILE
   return 0;
 }
 
@@ -175,7 +187,10 @@ extern "C" int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream_ptr, char*
   const bool seg = p.has_segments == 1;
   if (jax_flash_launch::CheckBwdOperands(args, sizes, seg, kWho, err, err_len) != 0) return 1;
   bool done = false;
-  if (jax_flash_launch::ZeroBwdOutputs(args, sizes, stream, kWho, err, err_len, &done) != 0) return 1;
+  // The deterministic kernels need no zeroed dq_accum
+  // (jax_flash_bwd_sm90_deterministic_query_tile).
+  const bool zero_dq = p.deterministic != 1;
+  if (jax_flash_launch::ZeroBwdOutputs(args, sizes, stream, kWho, err, err_len, &done, zero_dq) != 0) return 1;
   if (done) return 0;
 
   int arch = 0;

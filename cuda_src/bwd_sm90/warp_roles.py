@@ -83,7 +83,7 @@ class ProducerWarps:
     def _write_dq(
         self, tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, hi, q_len, kv_len, n_block, kv_head, batch, batches,
         group, m_block_min, m_blocks, rotation, rotated_first, rotated_kv_blocks, chains, chain_first,
-        chain_count, n_iters, writer, heads_q, seqlen_q,
+        chain_count, n_iters, writer, heads_q, seqlen_q, tma_dQ_store=None, tma_atom_dQ_store=None,
     ):
         """One warp: per query tile of this writer (see DQ_WARP), wait for
         the consumers' dQ tile, add it to the fp32 accumulator with a TMA
@@ -96,7 +96,11 @@ class ProducerWarps:
         this warp then frees for the producer.
         dq_in_tiles: tma_dQ is (rows, D), query tile m_block of (batch,
         chain, head) at tile ((batch x chains + chain) x heads_q + head) x
-        tiles per head + m_block (kernel_api.h: dq_tile_rows)."""
+        tiles per head + m_block (kernel_api.h: dq_tile_rows).
+        Deterministic: the first turn of each accumulator stores its tile
+        with tma_atom_dQ_store instead of adding it, so nobody zeroes
+        dq_accum; what no turn reaches stays unwritten, and the caller keeps
+        only the tiles whose dq_semaphore count is nonzero."""
         D, M, N = self.head_dim, self.m_block, self.n_block
         lane = cute.arch.lane_idx()
         # dQ chains, the deterministic variant's dQ accumulators (`chains` of them; kernel_api.h:
@@ -139,13 +143,23 @@ class ProducerWarps:
             stage = it % self.stages
             if cutlass.const_expr(self.dq_in_stage):
                 tdQsdQ = tdQsdQ[None, stage]
+            if cutlass.const_expr(self.deterministic):
+                store_sdQ, store_gdQ = self._dq_store_views(
+                    tma_atom_dQ_store, tma_dQ_store, sdQ, head, chain * batches + batch, stage
+                )
             cute.arch.barrier(barrier_id=bar_dq_full(writer), number_of_threads=DQ_BAR_THREADS)
             if cutlass.const_expr(self.deterministic):
                 # Every KV tile before this one in its chain's order has added.
                 if lane == 0:
                     wait_at_least(turn, k // chain_count)
                 cute.arch.sync_warp()
-            cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, tile])
+            if cutlass.const_expr(self.deterministic):
+                if k < chain_count:  # the first turn of its accumulator
+                    cute.copy(tma_atom_dQ_store, store_sdQ, store_gdQ[None, tile])
+                else:
+                    cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, tile])
+            else:
+                cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, tile])
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
             if cutlass.const_expr(self.dq_in_stage):
@@ -156,6 +170,22 @@ class ProducerWarps:
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
                 if lane == 0:
                     release_add_s32(turn, Int32(1))
+
+    @cute.jit
+    def _dq_store_views(self, tma_atom, tma_dQ, sdQ, head, batch_chain, stage):
+        """As _write_dq partitions the dQ tile and dq_accum for its TMA add,
+        for the first turn's TMA store: (shared, global)."""
+        D, M = self.head_dim, self.m_block
+        if cutlass.const_expr(self.dq_in_tiles):
+            gdQ = cute.local_tile(tma_dQ, (M, D), (None, 0))
+        else:
+            gdQ = cute.local_tile(tma_dQ[None, None, head, batch_chain], (M, D), (None, 0))
+        tdQsdQ, tdQgdQ = cpasync.tma_partition(
+            tma_atom, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2)
+        )
+        if cutlass.const_expr(self.dq_in_stage):
+            tdQsdQ = tdQsdQ[None, stage]
+        return tdQsdQ, tdQgdQ
 
     @cute.jit
     def _load_stats(

@@ -124,15 +124,16 @@ inline int CheckBwdOperands(const JfBwdArgs* args, BwdSizes n, bool seg, const c
   return 0;
 }
 
-// Zeroes dq_accum, every chain of it (the kernels add into it). When there is no query or no
-// key every gradient is zero, so dk and dv are zeroed too and *done is set:
-// nothing is left to launch.
+// Zeroes dq_accum, every chain of it (the kernels add into it), unless the
+// kernel writes it itself (zero_dq false) and there are keys to launch it for.
+// When there is no query or no key every gradient is zero, so dk and dv are
+// zeroed too and *done is set: nothing is left to launch.
 inline int ZeroBwdOutputs(const JfBwdArgs* args, BwdSizes n, cudaStream_t stream, const char* who,
-                          char* err, size_t err_len, bool* done) {
+                          char* err, size_t err_len, bool* done, bool zero_dq = true) {
   constexpr size_t kElemBytes = 2;  // float16 / bfloat16
   *done = false;
   cudaError_t e = cudaSuccess;
-  if (n.q_elems > 0) {
+  if (n.q_elems > 0 && (zero_dq || n.kv_elems == 0)) {
     e = cudaMemsetAsync(args->dq_accum, 0, args->dq_chains * DqChainElems(args, n) * sizeof(float), stream);
     if (e != cudaSuccess) return Fail(err, err_len, "%s: zeroing dq_accum: %s", who, cudaGetErrorString(e));
   }

@@ -58,7 +58,12 @@
 // Deterministic backward (problem.deterministic = 1): dq_accum is summed in
 // a fixed order, so repeated calls give bitwise equal gradients. The GPU
 // kernels order their dQ additions per query tile through dq_semaphore,
-// which the launcher zeroes on the stream.
+// which the launcher zeroes on the stream. The sm90 ones store the first
+// turn of each query tile and accumulator instead of adding it, so their
+// dq_accum is not zeroed: a tile whose dq_semaphore entry (tile x dq_chains
+// + chain, jax_flash_bwd_sm90_deterministic_query_tile rows per tile) is
+// still 0 after the call was never written, and the caller counts it as
+// zeros.
 #ifndef JAX_FLASH_KERNEL_API_H_
 #define JAX_FLASH_KERNEL_API_H_
 
