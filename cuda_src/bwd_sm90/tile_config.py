@@ -194,6 +194,13 @@ class TileConfig:
 # 394, 461 / 451; 112 x 2 313 / 203, 417 / 352, 451 / 405, 459 / 435;
 # shipped 323-329 / 201-210, 438-447 / 369-373, 467-468 / 416-419, 477-480
 # / 451-464.
+# K^T held in registers (32 per thread, loaded once per CTA) as the A operand
+# of dQ^T = K^T dS^T, so that the dQ^T GEMM reads only dS^T from shared
+# memory (branch bwd-kt-registers; gradients bitwise equal): hd64 compiles
+# without spills but ran the same (H100, results run 154, seq 8k / 16k
+# non-causal / causal: 466 / 414, 486 / 469 against 455-463 / 410-413,
+# 488-491 / 471); at hd128's 80 rows even 8 more registers (two of the
+# eight k-steps) spill and serialise the WGMMAs.
 # DeepSeek's prefill shape, head_dim 192 with head_dim_v 128, takes hd192's
 # tile with V, dO and dV 128 wide: each WG holds 64 columns of dV (32 floats
 # per thread) and 96 of dK and dQ. Shared memory 203 KiB against hd192's 227
