@@ -72,6 +72,7 @@ from common.dsl_common import (
     wgmma_acc_as_rows_cols,
 )
 from shared_storage import shared_storage, shared_tiles
+from staggered import StaggeredConsumers
 from tile_config import TILE_CONFIGS, TileConfig
 from transposed_scores import (
     QueryStats,
@@ -95,6 +96,7 @@ from warp_roles import (
     BAR_STATS,
     CONSUMER_REGS,
     DQ_BAR_THREADS,
+    HALF_BAR_THREADS,
     DQ_WARP,
     MAX_DQ_WRITERS,
     STATS_WARP,
@@ -108,13 +110,14 @@ from warp_roles import (
     ProducerWarps,
     bar_dq_empty,
     bar_dq_full,
+    bar_stats_of_wg,
 )
 
 LOG2E = math.log2(math.e)
 SMEM_CAPACITY_SM90 = 227 * 1024
 
 
-class FlashBwdSm90(ProducerWarps):
+class FlashBwdSm90(ProducerWarps, StaggeredConsumers):
     """deterministic=True builds the variant that adds dQ in KV-tile order
     (the writer warp waits for each tile's turn). It is a compile-time
     choice, unlike in the sm80 family, so that the plain variant carries no
@@ -171,6 +174,9 @@ class FlashBwdSm90(ProducerWarps):
         self.dq_in_tiles = cfg.dq_tile_rows > 0
         assert self.dq_in_tiles != self.dq_transposed
         self.dq_splits_queries = self.dq_transposed and head_dim == WGMMA_M
+        # The consumer WGs out of step (staggered.py). Its dQ halves are
+        # whole TMA boxes only where the WGs split dQ^T's head dim.
+        self.staggered = self.dq_transposed and not self.dq_splits_queries and not deterministic
         if self.dq_transposed and (cfg.split_head_dim or cfg.m_block % 16 != 0 or not self.stats_warp
                                    or not (self.dq_splits_queries or head_dim % (WGMMA_M * NUM_MMA_WG) == 0)):
             raise NotImplementedError(f"m_block={cfg.m_block} at head_dim={head_dim}: a multiple of 16, no "
@@ -280,8 +286,12 @@ class FlashBwdSm90(ProducerWarps):
             dq_smem = sdQ_layout.outer
         else:
             dq_view, dq_smem = seq_major(mdQ), sdQ_layout
+        dq_box = (M, D)
+        if cutlass.const_expr(self.staggered):  # each WG's half of the tile
+            dq_box = (M, D // NUM_MMA_WG)
+            dq_smem = dq_tile_layout(M, D // NUM_MMA_WG, D // NUM_MMA_WG, False)
         tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), dq_view, dq_smem, (M, D)
+            cpasync.CopyReduceBulkTensorTileS2GOp(), dq_view, dq_smem, dq_box
         )
         # Deterministic: the first turn of each dQ accumulator stores its tile
         # instead of adding it, so the caller need not zero dq_accum
@@ -435,7 +445,11 @@ class FlashBwdSm90(ProducerWarps):
                     mLSE, mDelta, sStats, batch, kv_head, group, m_block_min, m_blocks, rotation, n_iters,
                     seqlen_q,
                 )
-            if warp_idx >= DQ_WARP and warp_idx < DQ_WARP + self.dq_writers:
+            if cutlass.const_expr(self.staggered):
+                if warp_idx == DQ_WARP:
+                    self._write_dq_halves(tma_dQ, tma_atom_dQ, sdQ, kv_head, batch, group, m_block_min, m_blocks,
+                                          n_iters)
+            elif warp_idx >= DQ_WARP and warp_idx < DQ_WARP + self.dq_writers:
                 self._write_dq(
                     tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, hi, q_len, kv_len, n_block, kv_head, batch,
                     mdK.shape[0], group, m_block_min, m_blocks, rotation, rotated_first, rotated_kv_blocks,
@@ -543,6 +557,8 @@ class FlashBwdSm90(ProducerWarps):
 
         if n_iters > 0:
             cute.arch.mbarrier_wait(kv_bar, 0)
+        if cutlass.const_expr(self.staggered):
+            self._announce_virtual_tile(wg, n_iters)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         # Statistics of the query rows (see transposed_scores): the columns of
         # this thread repeat in every quad of its warp, so each lane takes the
@@ -579,7 +595,10 @@ class FlashBwdSm90(ProducerWarps):
             delta_pair = cute.make_rmem_tensor(2, Float32)
             if cutlass.const_expr(self.stats_warp):
                 stats_stage = it % self.stages
-                cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=DQ_BAR_THREADS)
+                if cutlass.const_expr(self.staggered):
+                    cute.arch.barrier(barrier_id=bar_stats_of_wg(wg), number_of_threads=HALF_BAR_THREADS)
+                else:
+                    cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=DQ_BAR_THREADS)
                 if cutlass.const_expr(not self.dq_transposed):
                     for b in cutlass.range_constexpr(2):
                         lse_log2_pair[b] = sStats[stat_row + b, 0, stats_stage]
@@ -652,6 +671,8 @@ class FlashBwdSm90(ProducerWarps):
                 rPt.store(acc_S.load().to(self.dtype))
             rdSt = cute.make_fragment_like(acc_dP, self.dtype)
             rdSt.store(acc_dP.load().to(self.dtype))
+            if cutlass.const_expr(self.staggered):
+                self._wait_ds_buffer_free(it, wg, s)
             cute.copy(r2s_sdp, thr_r2s.retile(rdSt), tdSsdS[None, None, None, s])
             if cutlass.const_expr(self.dq_transposed):
                 issue_wgmma(mma_dv, acc_dV, as_operand_a(rPt), tdVrdOt[None, None, None, s], False)
@@ -659,9 +680,13 @@ class FlashBwdSm90(ProducerWarps):
             # Generic-proxy stores must be visible to WGMMA (async proxy),
             # and dQ reads the other WG's keys of dS.
             cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=NUM_MMA_THREADS)
+            dq_tile, dq_buffer = it, s
+            if cutlass.const_expr(self.staggered):
+                dq_tile, dq_buffer = self._hand_over_ds(it, wg, s)
+            else:
+                cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=NUM_MMA_THREADS)
             acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C(dq_shape), Float32)
-            a_stage, b_stage = (0, s) if self.dq_transposed else (s, 0)  # K has one stage
+            a_stage, b_stage = (0, dq_buffer) if self.dq_transposed else (s, 0)  # K has one stage
             issue_wgmma(mma_dq, acc_dQ, tdQrA[None, None, None, a_stage], tdQrB[None, None, None, b_stage], True)
             if cutlass.const_expr(split):
                 issue_wgmma(mma_dv, acc_dV, tdVrP[None, None, None, s], tdVrdOt[None, None, None, s], False)
@@ -671,6 +696,8 @@ class FlashBwdSm90(ProducerWarps):
 
             # dQ leaves while the dK (and dV) GEMMs are still in flight.
             warpgroup.wait_group(2 if split else 1)
+            if cutlass.const_expr(self.staggered):
+                self._release_ds_buffer(dq_tile, dq_buffer, wg, n_iters)
             acc_dQ.store(acc_dQ.load() * scale)
             if cutlass.const_expr(self.dq_in_stage):
                 # Over this stage's Q and dO, once no GEMM of either WG reads
@@ -683,15 +710,22 @@ class FlashBwdSm90(ProducerWarps):
                     cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQsdQ[None, None, None, s])
             else:
                 # To shared memory, for the writer warps' TMA add, once the
-                # writer of the previous tile has read that one.
-                previous_writer = (it + self.dq_writers - 1) % self.dq_writers
-                cute.arch.barrier(barrier_id=bar_dq_empty(previous_writer), number_of_threads=DQ_BAR_THREADS)
+                # writer of the previous tile (staggered: this WG's half of
+                # it) has read that one.
+                if cutlass.const_expr(self.staggered):
+                    cute.arch.barrier(barrier_id=bar_dq_empty(wg), number_of_threads=HALF_BAR_THREADS)
+                else:
+                    previous_writer = (it + self.dq_writers - 1) % self.dq_writers
+                    cute.arch.barrier(barrier_id=bar_dq_empty(previous_writer), number_of_threads=DQ_BAR_THREADS)
                 if cutlass.const_expr(self.dq_in_tiles):
                     store_dq_fragments(acc_dQ, sdQ.iterator, wg, dq_warp, lane)
                 else:
                     cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQsdQ)
             cute.arch.fence_view_async_shared()
-            cute.arch.barrier_arrive(barrier_id=bar_dq_full(it % self.dq_writers), number_of_threads=DQ_BAR_THREADS)
+            if cutlass.const_expr(self.staggered):
+                cute.arch.barrier_arrive(barrier_id=bar_dq_full(wg), number_of_threads=HALF_BAR_THREADS)
+            else:
+                cute.arch.barrier_arrive(barrier_id=bar_dq_full(it % self.dq_writers), number_of_threads=DQ_BAR_THREADS)
             if cutlass.const_expr(not self.stats_warp):
                 # After the dQ hand-off, whose shared-memory fence would wait
                 # for these loads too.
@@ -706,6 +740,10 @@ class FlashBwdSm90(ProducerWarps):
             if cutlass.const_expr(not self.dq_in_stage):
                 pipe.consumer_release(state)
             state.advance()
+
+        if cutlass.const_expr(self.staggered):
+            self._leader_last_dq(wg, n_iters, (state.index + self.stages - 1) % self.stages, scale, thr_dq, dq_shape,
+                                 tdQrA, tdQrB, r2s_dq, thr_r2s_dq, tdQsdQ)
 
         # ---- epilogue: dK, dV staged through sK / sV (no GEMM reads them now).
         cute.arch.barrier(barrier_id=BAR_EPI, number_of_threads=NUM_MMA_THREADS)

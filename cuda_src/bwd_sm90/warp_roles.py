@@ -66,11 +66,22 @@ def bar_dq_full(writer):
 # stats warp writes a stage again only after the consumers reached the next
 # tile's barrier, past their reads of it (hence stages >= 2).
 BAR_STATS = 4 + 2 * MAX_DQ_WRITERS
+# The staggered variant (staggered.py) has one dQ writer, which meets each
+# consumer WG on its own pair of barriers (bar_dq_empty / bar_dq_full(wg)),
+# and the stats warp meets each WG on its own barrier.
+HALF_BAR_THREADS = WG_THREADS + WARP_THREADS
+
+
+def bar_stats_of_wg(wg):
+    """The staggered variant's stats barrier of WG wg (BAR_PDS and
+    BAR_STAGE_READ, which it does not use otherwise)."""
+    return BAR_PDS + 2 * wg
 
 
 class ProducerWarps:
     """Needs head_dim, head_dim_v, m_block, n_block, stages, deterministic,
-    dq_in_stage, dq_in_tiles and dq_writers (set by FlashBwdSm90.__init__)."""
+    dq_in_stage, dq_in_tiles, dq_writers and staggered (set by
+    FlashBwdSm90.__init__)."""
 
     @cute.jit
     def _dq_chain_count(self, tma_dQ, batches, heads_q, seqlen_q):
@@ -208,7 +219,13 @@ class ProducerWarps:
                 row = M - M % WARP_THREADS + lane
                 if row < M:
                     self._stage_query_stats(mLSE, mDelta, sStats, batch, head, m_block, row, stage, seqlen_q)
-            cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=DQ_BAR_THREADS)
+            if cutlass.const_expr(self.staggered):
+                # The follower WG (1) reaches a tile last: past its barrier
+                # both are done with the stage that the next tile overwrites.
+                for wg in cutlass.range_constexpr(NUM_MMA_WG):
+                    cute.arch.barrier(barrier_id=bar_stats_of_wg(wg), number_of_threads=HALF_BAR_THREADS)
+            else:
+                cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=DQ_BAR_THREADS)
 
     @cute.jit
     def _stage_query_stats(self, mLSE, mDelta, sStats, batch, head, m_block, row, stage, seqlen_q):

@@ -1,0 +1,137 @@
+"""The staggered sm90 backward (FlashBwdSm90.staggered): the two consumer
+warpgroups never wait for each other's arithmetic.
+
+In step, the WGs met three times per query tile (the stats warp's barrier,
+BAR_PDS before the dQ^T GEMM, the dQ writer's), so both ran their exp and
+dS arithmetic at the same time while the tensor pipe waited. Staggered:
+- WG 1 (the follower) issues its half of dQ^T = K^T dS^T for tile j once WG
+  0's dS^T rows of tile j are stored; WG 0 (the leader) issues its half for
+  tile j while it computes tile j + 1, once WG 1's rows of tile j are
+  stored. Each WG signals its dS^T rows of a buffer (bar_ds_full) and, once
+  its dQ^T GEMM has read a buffer, that it is free (bar_ds_free).
+- Each WG stores its half of the dQ tile when its GEMM is done, and the
+  writer warp adds each half as a box of its own (_write_dq_halves).
+- Each WG meets the stats warp on a barrier of its own (warp_roles).
+The leader's dQ^T of the tile before its first (no tile: "tile -1", dS
+buffer 1) runs like every other, so that neither the GEMM nor the store sits
+in a branch (ptxas serialised the WGMMAs of every such variant); the
+follower signals that buffer as stored before its first tile, and the
+writer takes the leader's first half without adding it. Where a WG meets
+nobody (no buffer to wait for or to free), it syncs on barrier 0 alone
+instead of branching around the barrier, for the same reason.
+
+H100, results run 160 (bf16, 16 heads, 16k tokens, backward TFLOPS,
+non-causal / causal, three rounds in turn with the build in step and its
+control, cuDNN in the same process): hd128 seq 8192 583 / 514 against
+537-544 / 480-486 (cuDNN 515 / 458), seq 2048 490 / 380 against 456-461 /
+358-361 (cuDNN 431 / 330).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from common.dsl_common import query_tile_of
+from warp_roles import HALF_BAR_THREADS, NUM_MMA_THREADS, NUM_MMA_WG, WG_THREADS, bar_dq_empty, bar_dq_full
+from wgmma_views import issue_wgmma, tiled_mma
+
+BAR_ALONE = 0  # unused once the warps split up: a WG syncs or arrives here alone
+
+
+def bar_ds_full(wg, buffer):
+    """WG wg's dS^T rows of the query tile in dS buffer `buffer` are stored."""
+    return 8 + 2 * wg + buffer
+
+
+def bar_ds_free(wg, buffer):
+    """WG wg's dQ^T GEMM has read dS buffer `buffer`."""
+    return 12 + 2 * wg + buffer
+
+
+class StaggeredConsumers:
+    """Needs head_dim, m_block, stages, dtype and deterministic."""
+
+    @cute.jit
+    def _announce_virtual_tile(self, wg, n_iters):
+        """Before the loop: the follower's dS^T of "tile -1" (buffer 1), which
+        the leader's first dQ^T GEMM reads."""
+        if wg == 1 and n_iters > 0:
+            cute.arch.barrier_arrive(barrier_id=bar_ds_full(1, 1), number_of_threads=NUM_MMA_THREADS)
+
+    @cute.jit
+    def _wait_ds_buffer_free(self, it, wg, s):
+        """Before WG wg stores its dS^T rows of tile `it` into buffer s: the
+        other WG's dQ^T GEMM of tile it - 2 (for the follower, from tile -1 on)
+        has read it."""
+        bar_id, threads = bar_ds_free(1 - wg, s), Int32(NUM_MMA_THREADS)
+        if it < 2 - wg:
+            bar_id, threads = Int32(BAR_ALONE), Int32(WG_THREADS)
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=threads)
+
+    @cute.jit
+    def _hand_over_ds(self, it, wg, s):
+        """After WG wg stored its dS^T rows of tile `it` (buffer s): signal
+        them, and wait for the other WG's rows of the tile whose dQ^T half
+        this WG computes now. Returns (that tile, its dS buffer)."""
+        cute.arch.barrier_arrive(barrier_id=bar_ds_full(wg, s), number_of_threads=NUM_MMA_THREADS)
+        dq_tile = it - 1 + wg
+        dq_buffer = (s + 1 - wg) % self.stages
+        cute.arch.barrier(barrier_id=bar_ds_full(1 - wg, dq_buffer), number_of_threads=NUM_MMA_THREADS)
+        return dq_tile, dq_buffer
+
+    @cute.jit
+    def _release_ds_buffer(self, dq_tile, dq_buffer, wg, n_iters):
+        """WG wg's dQ^T GEMM of dq_tile has read dq_buffer; nobody waits
+        for that past the last two tiles."""
+        bar_id, threads = bar_ds_free(wg, dq_buffer), Int32(NUM_MMA_THREADS)
+        if dq_tile + 2 >= n_iters:
+            bar_id, threads = Int32(BAR_ALONE), Int32(WG_THREADS)
+        cute.arch.barrier_arrive(barrier_id=bar_id, number_of_threads=threads)
+
+    @cute.jit
+    def _leader_last_dq(self, wg, n_iters, last_buffer, scale, thr_dq, dq_shape, tdQrA, tdQrB, r2s_dq, thr_r2s_dq,
+                        tdQsdQ):
+        """After the loop, the leader's half of the last tile's dQ^T."""
+        if wg == 0 and n_iters > 0:
+            acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C(dq_shape), Float32)
+            cute.arch.barrier(barrier_id=bar_ds_full(1, last_buffer), number_of_threads=NUM_MMA_THREADS)
+            # A tiled MMA of its own: one whose ACCUMULATE field is set inside
+            # a branch must not be used past it.
+            MN_MAJOR = warpgroup.OperandMajorMode.MN
+            mma_dq = tiled_mma(self.dtype, MN_MAJOR, MN_MAJOR, (NUM_MMA_WG, 1, 1), self.m_block)
+            issue_wgmma(mma_dq, acc_dQ, tdQrA[None, None, None, 0], tdQrB[None, None, None, last_buffer], True)
+            warpgroup.wait_group(0)
+            acc_dQ.store(acc_dQ.load() * scale)
+            cute.arch.barrier(barrier_id=bar_dq_empty(wg), number_of_threads=HALF_BAR_THREADS)
+            cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQsdQ)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=bar_dq_full(wg), number_of_threads=HALF_BAR_THREADS)
+
+    @cute.jit
+    def _write_dq_halves(self, tma_dQ, tma_atom_dQ, sdQ, kv_head, batch, group, m_block_min, m_blocks, n_iters):
+        """The dQ writer warp: per query tile, the follower's half of the dQ
+        tile (its head-dim rows of dQ^T), then the leader's, which comes a
+        tile later; the leader's first store (tile -1) is taken and dropped."""
+        D, M = self.head_dim, self.m_block
+        half_cols = D // NUM_MMA_WG
+        if n_iters > 0:
+            for half in cutlass.range_constexpr(NUM_MMA_WG):  # both start empty
+                cute.arch.barrier_arrive(barrier_id=bar_dq_empty(half), number_of_threads=HALF_BAR_THREADS)
+            cute.arch.barrier(barrier_id=bar_dq_full(0), number_of_threads=HALF_BAR_THREADS)
+            cute.arch.barrier_arrive(barrier_id=bar_dq_empty(0), number_of_threads=HALF_BAR_THREADS)
+        for it in cutlass.range(n_iters, unroll=1):
+            head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic, Int32(0))
+            gdQ = cute.local_tile(tma_dQ[None, None, head, batch], (M, half_cols), (None, None))
+            for h in cutlass.range_constexpr(NUM_MMA_WG):
+                half = NUM_MMA_WG - 1 - h
+                sdQ_half = cute.local_tile(sdQ, (M, half_cols), (0, half))
+                tdQsdQ, tdQgdQ = cpasync.tma_partition(
+                    tma_atom_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_half, 0, 2), cute.group_modes(gdQ, 0, 2)
+                )
+                cute.arch.barrier(barrier_id=bar_dq_full(half), number_of_threads=HALF_BAR_THREADS)
+                cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, m_block, half])
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if it + 1 < n_iters:
+                    cute.arch.barrier_arrive(barrier_id=bar_dq_empty(half), number_of_threads=HALF_BAR_THREADS)
