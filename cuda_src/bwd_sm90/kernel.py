@@ -22,10 +22,9 @@ Computing the transposed scores puts the keys in the WGMMA M dimension, so
 P^T and dS^T come out of the accumulators already in the register layout of
 the A operand of dV and dK: P never touches shared memory and the dV GEMM
 starts as soon as P^T exists. Only dS^T goes to shared memory (stmatrix,
-double buffered, so one named barrier per query tile is enough), because dQ
-needs every key of a query row. lse and delta are per column now: each lane
-loads two rows' worth after the first GEMMs are issued (their latency hides
-behind them) and the others arrive by shuffles.
+double buffered), because dQ needs every key of a query row. At 80 query
+rows (hd128) the two WGs do not meet on every query tile: each hands the
+other its dS^T, and WG 0 computes its half of dQ^T a tile late (staggered.py).
 
 Head dims 192 and 256 (TileConfig.split_head_dim) would need 256 floats of
 dK and dV per thread at 128 keys: there the CTA owns 64 keys and the two
@@ -71,7 +70,7 @@ from common.dsl_common import (
     store_existing_rows,
     wgmma_acc_as_rows_cols,
 )
-from shared_storage import shared_storage, shared_tiles
+from shared_storage import dq_tma_atoms, load_tma_atoms, shared_storage, shared_tiles
 from staggered import StaggeredConsumers
 from tile_config import TILE_CONFIGS, TileConfig
 from transposed_scores import (
@@ -268,39 +267,12 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers):
         else:
             mma_dq = tiled_mma(self.dtype, MN_MAJOR, MN_MAJOR, (1, NUM_MMA_WG, 1), D // NUM_MMA_WG)
 
-        # TMA views are (seqlen, head_dim, heads, batch) so a (rows, D) box
-        # tiles the first two modes; rows past seqlen read as zeros.
-        def seq_major(t):
-            return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
-
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, seq_major(mQ), cute.slice_(sQ_layout, (None, None, 0)), (M, D))
-        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(g2s, seq_major(mdO), cute.slice_(sdO_layout, (None, None, 0)), (M, Dv))
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, seq_major(mK), cute.slice_(sK_layout, (None, None, 0)), (N, D))
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, seq_major(mV), cute.slice_(sV_layout, (None, None, 0)), (N, Dv))
-        if cutlass.const_expr(self.dq_in_tiles):
-            # The launcher passes the tiles as [B x chains x Hq, tiles x M, 1]:
-            # one (rows, D) view, tile t its rows t M on.
-            rows = mdQ.shape[0] * mdQ.shape[1] * mdQ.shape[2]
-            dq_view = cute.make_tensor(mdQ.iterator, cute.make_layout((rows, D), stride=(D, 1)))
-            dq_smem = sdQ_layout.outer
-        else:
-            dq_view, dq_smem = seq_major(mdQ), sdQ_layout
-        dq_box = (M, D)
-        if cutlass.const_expr(self.staggered):  # each WG's half of the tile
-            dq_box = (M, D // NUM_MMA_WG)
-            dq_smem = dq_tile_layout(M, D // NUM_MMA_WG, D // NUM_MMA_WG, False)
-        tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), dq_view, dq_smem, dq_box
+        (tma_atom_Q, tma_Q), (tma_atom_dO, tma_dO), (tma_atom_K, tma_K), (tma_atom_V, tma_V) = load_tma_atoms(
+            (mQ, mdO, mK, mV), (sQ_layout, sdO_layout, sK_layout, sV_layout), (M, M, N, N), (D, Dv, D, Dv)
         )
-        # Deterministic: the first turn of each dQ accumulator stores its tile
-        # instead of adding it, so the caller need not zero dq_accum
-        # (_write_dq).
-        tma_atom_dQ_store, tma_dQ_store = None, None
-        if cutlass.const_expr(self.deterministic):
-            tma_atom_dQ_store, tma_dQ_store = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), dq_view, dq_smem, (M, D)
-            )
+        tma_atom_dQ, tma_dQ, tma_atom_dQ_store, tma_dQ_store = dq_tma_atoms(
+            mdQ, sdQ_layout, M, D, self.dq_in_tiles, self.staggered, self.deterministic
+        )
 
         layouts = dict(sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sV=sV_layout, sdS=sdS_layout, sdQ=sdQ_layout)
         SharedStorage = shared_storage(self.dtype, M, st, layouts, self.dq_in_stage, split)

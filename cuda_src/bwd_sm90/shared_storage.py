@@ -1,13 +1,15 @@
 """Where the sm90 backward (kernel.py) keeps its tiles in shared memory: the
-struct that places them and the tensors the kernel reads them through.
-TileConfig.smem_bytes (tile_config.py) counts the same bytes."""
+struct that places them, the tensors the kernel reads them through and the
+TMA atoms that fill and drain them. TileConfig.smem_bytes (tile_config.py)
+counts the same bytes."""
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync
 
-from warp_roles import NUM_WARPS
-from wgmma_views import stage_pair_views
+from warp_roles import NUM_MMA_WG, NUM_WARPS
+from wgmma_views import dq_tile_layout, stage_pair_views
 
 
 def _buffer(dtype, cosize, used=True):
@@ -63,3 +65,48 @@ def shared_tiles(storage, layouts: dict, dtype, m_block: int, stages: int, dq_in
     elif not dq_in_stage:
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
     return sQ, sdO, sdQ, sStats, sK, sV, sdS, sP
+
+
+def _seq_major(t):
+    """(batch, seqlen, heads, head_dim) -> (seqlen, head_dim, heads, batch),
+    so that a (rows, cols) box tiles the first two modes; rows past seqlen
+    read as zeros."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+
+
+def load_tma_atoms(tensors, layouts, rows, cols):
+    """(atom, TMA view) per tensor (Q, dO, K, V): stage 0 of its layout, boxes
+    of (rows, cols)."""
+    g2s = cpasync.CopyBulkTensorTileG2SOp()
+    return tuple(
+        cpasync.make_tiled_tma_atom(g2s, _seq_major(t), cute.slice_(layout, (None, None, 0)), (r, c))
+        for t, layout, r, c in zip(tensors, layouts, rows, cols)
+    )
+
+
+def dq_tma_atoms(mdQ, sdQ_layout, m_block: int, head_dim: int, dq_in_tiles: bool, staggered: bool, deterministic: bool):
+    """The dQ writer's (reduce-add atom, view, store atom, view) over
+    dq_accum; the store pair only for the deterministic variant, whose first
+    turn of each accumulator stores its tile instead of adding it (so that
+    nobody zeroes dq_accum). Staggered (staggered.py): each WG's half of the
+    tile is a box of its own."""
+    M, D = m_block, head_dim
+    if dq_in_tiles:
+        # The launcher passes the tiles as [B x chains x Hq, tiles x M, 1]:
+        # one (rows, D) view, tile t its rows t M on.
+        rows = mdQ.shape[0] * mdQ.shape[1] * mdQ.shape[2]
+        dq_view = cute.make_tensor(mdQ.iterator, cute.make_layout((rows, D), stride=(D, 1)))
+        dq_smem = sdQ_layout.outer
+    else:
+        dq_view, dq_smem = _seq_major(mdQ), sdQ_layout
+    dq_box = (M, D)
+    if staggered:
+        dq_box = (M, D // NUM_MMA_WG)
+        dq_smem = dq_tile_layout(M, D // NUM_MMA_WG, D // NUM_MMA_WG, False)
+    tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), dq_view, dq_smem, dq_box)
+    tma_atom_dQ_store, tma_dQ_store = None, None
+    if deterministic:
+        tma_atom_dQ_store, tma_dQ_store = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), dq_view, dq_smem, (M, D)
+        )
+    return tma_atom_dQ, tma_dQ, tma_atom_dQ_store, tma_dQ_store
