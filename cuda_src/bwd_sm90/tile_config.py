@@ -147,6 +147,12 @@ class TileConfig:
 # process (results run 48, non-causal / causal): seq 8192 544 / 480 against
 # 498-503 / 464-469 TFLOPS (cuDNN 506 / 460), 2048 473 / 389 against 447-449
 # / 354-377, 1024 393 / 270 against 384-388 / 284-285.
+# Since e4ee69c its two consumer WGs run out of step (FlashBwdSm90.staggered,
+# staggered.py): H100, results runs 160-161, seq 8192 non-causal / causal,
+# 583-596 / 514-524 against 536-544 / 480-486 in step (cuDNN 515-516 /
+# 458-461), seq 2048 490 / 380 against 456-461 / 358-361. hd64's 112 rows,
+# where the WGs split dQ^T's query columns, do not run staggered yet (with no
+# hand-offs at all, a timing probe ran hd64 16% faster: run 159).
 # At this tile the fp32 dQ tile's shared stores (40 per thread and query
 # tile) cost 7-8% of the backward, waiting on shared-memory bandwidth that
 # the dK and dQ GEMMs use at the same time (timing probes, H200 run 13 and
