@@ -101,30 +101,20 @@ def test_cuda_images_are_carved_out_of_an_object_file():
   assert sass_checks.embedded_cubins(host) == [cubin]
 
 
-def _bwd_sm90_modules():
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "cuda_src" / "bwd_sm90"))
-  import staggered  # noqa: E402
-  import warp_roles  # noqa: E402
-  return warp_roles, staggered
-
-
 def test_hopper_backward_named_barriers_do_not_collide():
   """Every named barrier a variant of bwd_sm90 uses has an id of its own
-  below 16: two hand-overs on one id would pair arrivals of different
-  meanings (a silent race). The staggered variant has one dQ writer and no
-  dq_in_stage, whose ids it reuses."""
-  roles, stag = _bwd_sm90_modules()
-  writers = range(roles.MAX_DQ_WRITERS)
-  in_step = ([roles.BAR_PDS, roles.BAR_EPI, roles.BAR_STAGE_READ, roles.BAR_STATS]
-             + [roles.bar_dq_empty(w) for w in writers] + [roles.bar_dq_full(w) for w in writers])
-  staggered = ([stag.BAR_ALONE, roles.BAR_EPI]
-               + [f(wg) for f in (roles.bar_stats_of_wg, roles.bar_dq_empty, roles.bar_dq_full)
-                  for wg in range(roles.NUM_MMA_WG)]
-               + [f(wg, b) for f in (stag.bar_ds_full, stag.bar_ds_free)
-                  for wg in range(roles.NUM_MMA_WG) for b in range(2)])
+  below 16 (cuda_src/bwd_sm90/barriers.py). The staggered variant has one
+  dQ writer and no dq_in_stage, whose ids it reuses."""
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "cuda_src" / "bwd_sm90"))
+  import barriers as b  # noqa: E402
+  writers = range(b.MAX_DQ_WRITERS)
+  in_step = ([b.BAR_PDS, b.BAR_EPI, b.BAR_STAGE_READ, b.BAR_STATS]
+             + [b.bar_dq_empty(w) for w in writers] + [b.bar_dq_full(w) for w in writers])
+  wgs = range(2)
+  staggered = ([b.BAR_ALONE, b.BAR_EPI] + [f(wg) for f in (b.bar_stats_of_wg, b.bar_dq_empty, b.bar_dq_full) for wg in wgs]
+               + [f(wg, buf) for f in (b.bar_ds_full, b.bar_ds_free) for wg in wgs for buf in range(2)])
   for ids in (in_step, staggered):
     assert len(set(ids)) == len(ids), sorted(ids)
     assert all(0 <= i < 16 for i in ids), ids
-  # Barrier 0 (__syncthreads) is free for BAR_ALONE only once the warps split
-  # up: nothing in the roles uses it.
-  assert 0 not in in_step
+  # Barrier 0 (__syncthreads) serves BAR_ALONE only because no role uses it.
+  assert b.BAR_ALONE not in in_step

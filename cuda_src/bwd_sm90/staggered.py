@@ -32,21 +32,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from barriers import BAR_ALONE, bar_dq_empty, bar_dq_full, bar_ds_free, bar_ds_full
 from common.dsl_common import query_tile_of
-from warp_roles import HALF_BAR_THREADS, NUM_MMA_THREADS, NUM_MMA_WG, WG_THREADS, bar_dq_empty, bar_dq_full
+from warp_roles import HALF_BAR_THREADS, NUM_MMA_THREADS, NUM_MMA_WG, WG_THREADS
 from wgmma_views import issue_wgmma, tiled_mma
-
-BAR_ALONE = 0  # unused once the warps split up: a WG syncs or arrives here alone
-
-
-def bar_ds_full(wg, buffer):
-    """WG wg's dS^T rows of the query tile in dS buffer `buffer` are stored."""
-    return 8 + 2 * wg + buffer
-
-
-def bar_ds_free(wg, buffer):
-    """WG wg's dQ^T GEMM has read dS buffer `buffer`."""
-    return 12 + 2 * wg + buffer
 
 
 class StaggeredConsumers:

@@ -9,6 +9,9 @@ import cutlass.pipeline as pipeline
 from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
+from barriers import (  # noqa: F401  (kernel.py imports them from here)
+    BAR_EPI, BAR_PDS, BAR_STAGE_READ, BAR_STATS, MAX_DQ_WRITERS, bar_dq_empty, bar_dq_full, bar_stats_of_wg,
+)
 from transposed_scores import lse_to_log2
 from common.dsl_common import (
     last_kv_block_seeing, query_tile_of, release_add_s32, rotated_turn, wait_at_least,
@@ -34,48 +37,17 @@ DQ_WARP = 1
 # default / deterministic at seq 2048 and 8192: hd64 +1-8% / +7-12%, hd128
 # +1-6% / -1-+5%, hd256 -1-+3% / +2-6%; hd192 +0-1% / +2-3% except
 # deterministic causal 8192, -12% (290 against 327-328 TFLOPS).
-STATS_WARP = 3
-MAX_DQ_WRITERS = STATS_WARP - DQ_WARP
+STATS_WARP = DQ_WARP + MAX_DQ_WRITERS
 # setmaxnreg budgets: 24 + 2 * 240 <= 504 (64K registers / 128 threads of
 # each WG, rounded to the granularity of 8). The consumers hold dK and dV
 # (2 * n_block * head_dim / 256 floats) plus S, dP and dQ fragments.
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
-# Named barriers (0 is __syncthreads).
-BAR_PDS = 1  # P and dS of a query tile are in shared memory
-BAR_EPI = 2  # epilogue staging through sK / sV
-# dq_in_stage: both consumer WGs are done with the Q / dO stage.
-BAR_STAGE_READ = 3
 DQ_BAR_THREADS = NUM_MMA_THREADS + WARP_THREADS
-
-
-def bar_dq_empty(writer):
-    """Writer `writer` has read the dQ tile out of shared memory."""
-    return 4 + 2 * writer
-
-
-def bar_dq_full(writer):
-    """The consumers wrote the dQ tile that writer `writer` adds."""
-    return 5 + 2 * writer
-
-
-# The stats warp and all consumers meet here once per query tile: the stats
-# warp after writing the tile's stage, the consumers before reading it. A
-# barrier both sides wait at (not arrive / wait: racecheck reported hazards
-# on that hand-over, and on an mbarrier one) orders both directions: the
-# stats warp writes a stage again only after the consumers reached the next
-# tile's barrier, past their reads of it (hence stages >= 2).
-BAR_STATS = 4 + 2 * MAX_DQ_WRITERS
 # The staggered variant (staggered.py) has one dQ writer, which meets each
 # consumer WG on its own pair of barriers (bar_dq_empty / bar_dq_full(wg)),
 # and the stats warp meets each WG on its own barrier.
 HALF_BAR_THREADS = WG_THREADS + WARP_THREADS
-
-
-def bar_stats_of_wg(wg):
-    """The staggered variant's stats barrier of WG wg (BAR_PDS and
-    BAR_STAGE_READ, which it does not use otherwise)."""
-    return BAR_PDS + 2 * wg
 
 
 class ProducerWarps:
