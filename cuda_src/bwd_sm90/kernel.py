@@ -71,7 +71,7 @@ from common.dsl_common import (
     wgmma_acc_as_rows_cols,
 )
 from shared_storage import dq_tma_atoms, load_tma_atoms, shared_storage, shared_tiles
-from staggered import StaggeredConsumers
+from staggered import StaggeredConsumers, staggered_dq_layout
 from tile_config import TILE_CONFIGS, TileConfig
 from transposed_scores import (
     QueryStats,
@@ -173,9 +173,8 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers):
         self.dq_in_tiles = cfg.dq_tile_rows > 0
         assert self.dq_in_tiles != self.dq_transposed
         self.dq_splits_queries = self.dq_transposed and head_dim == WGMMA_M
-        # The consumer WGs out of step (staggered.py). Its dQ halves are
-        # whole TMA boxes only where the WGs split dQ^T's head dim.
-        self.staggered = self.dq_transposed and not self.dq_splits_queries and not deterministic
+        # The consumer WGs out of step (staggered.py).
+        self.staggered = self.dq_transposed and not deterministic
         if self.dq_transposed and (cfg.split_head_dim or cfg.m_block % 16 != 0 or not self.stats_warp
                                    or not (self.dq_splits_queries or head_dim % (WGMMA_M * NUM_MMA_WG) == 0)):
             raise NotImplementedError(f"m_block={cfg.m_block} at head_dim={head_dim}: a multiple of 16, no "
@@ -249,6 +248,8 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers):
         sV_layout = smem_tile_layout(self.dtype, N, Dv, 1, Dv // NUM_MMA_WG if split else Dv)  # dV staged here
         sdS_layout = smem_tile_layout(self.dtype, N, M, st, M // NUM_MMA_WG if self.dq_splits_queries else M)
         sdQ_layout = dq_tile_layout(M, D, D // NUM_MMA_WG, self.dq_in_tiles)
+        if cutlass.const_expr(self.staggered):
+            sdQ_layout = staggered_dq_layout(M, D, self.dq_splits_queries)
 
         # S^T = K Q^T and dP^T = V dO^T (keys as the WGMMA M), so that P^T and
         # dS^T are already the register A operands of dV += P^T dO and
@@ -271,7 +272,7 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers):
             (mQ, mdO, mK, mV), (sQ_layout, sdO_layout, sK_layout, sV_layout), (M, M, N, N), (D, Dv, D, Dv)
         )
         tma_atom_dQ, tma_dQ, tma_atom_dQ_store, tma_dQ_store = dq_tma_atoms(
-            mdQ, sdQ_layout, M, D, self.dq_in_tiles, self.staggered, self.deterministic
+            mdQ, sdQ_layout, M, D, self.dq_in_tiles, self.staggered, self.deterministic, self.dq_splits_queries
         )
 
         layouts = dict(sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sV=sV_layout, sdS=sdS_layout, sdQ=sdQ_layout)

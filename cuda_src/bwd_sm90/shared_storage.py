@@ -8,8 +8,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
-from warp_roles import NUM_MMA_WG, NUM_WARPS
-from wgmma_views import dq_tile_layout, stage_pair_views
+from warp_roles import NUM_WARPS
+from staggered import dq_half_layout, dq_half_shape
+from wgmma_views import stage_pair_views
 
 
 def _buffer(dtype, cosize, used=True):
@@ -84,7 +85,8 @@ def load_tma_atoms(tensors, layouts, rows, cols):
     )
 
 
-def dq_tma_atoms(mdQ, sdQ_layout, m_block: int, head_dim: int, dq_in_tiles: bool, staggered: bool, deterministic: bool):
+def dq_tma_atoms(mdQ, sdQ_layout, m_block: int, head_dim: int, dq_in_tiles: bool, staggered: bool, deterministic: bool,
+                 splits_queries: bool):
     """The dQ writer's (reduce-add atom, view, store atom, view) over
     dq_accum; the store pair only for the deterministic variant, whose first
     turn of each accumulator stores its tile instead of adding it (so that
@@ -101,8 +103,8 @@ def dq_tma_atoms(mdQ, sdQ_layout, m_block: int, head_dim: int, dq_in_tiles: bool
         dq_view, dq_smem = _seq_major(mdQ), sdQ_layout
     dq_box = (M, D)
     if staggered:
-        dq_box = (M, D // NUM_MMA_WG)
-        dq_smem = dq_tile_layout(M, D // NUM_MMA_WG, D // NUM_MMA_WG, False)
+        dq_box = dq_half_shape(M, D, splits_queries)
+        dq_smem = dq_half_layout(M, D, splits_queries)
     tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), dq_view, dq_smem, dq_box)
     tma_atom_dQ_store, tma_dQ_store = None, None
     if deterministic:

@@ -35,11 +35,35 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from barriers import BAR_ALONE, bar_dq_empty, bar_dq_full, bar_ds_free, bar_ds_full
 from common.dsl_common import query_tile_of
 from warp_roles import HALF_BAR_THREADS, NUM_MMA_THREADS, NUM_MMA_WG, WG_THREADS
-from wgmma_views import issue_wgmma, tiled_mma
+from wgmma_views import dq_tile_layout, issue_wgmma, tiled_mma
+
+
+def dq_half_shape(m_block: int, head_dim: int, splits_queries: bool):
+    """Each WG's half of the (query rows, head dim) dQ tile: its query rows
+    where the WGs split dQ^T's query columns (hd64), else its head-dim
+    columns."""
+    if splits_queries:
+        return m_block // NUM_MMA_WG, head_dim
+    return m_block, head_dim // NUM_MMA_WG
+
+
+def dq_half_layout(m_block: int, head_dim: int, splits_queries: bool):
+    """The shared layout of one half (a TMA box of its own)."""
+    return dq_tile_layout(*dq_half_shape(m_block, head_dim, splits_queries), head_dim // NUM_MMA_WG, False)
+
+
+def staggered_dq_layout(m_block: int, head_dim: int, splits_queries: bool):
+    """The fp32 dQ tile with each half in one piece: dq_tile_layout's, whose
+    column blocks already are, or for a split of the query rows two row
+    halves one after the other."""
+    if not splits_queries:
+        return dq_tile_layout(m_block, head_dim, head_dim // NUM_MMA_WG, False)
+    return cute.tile_to_shape(dq_half_layout(m_block, head_dim, True), (m_block, head_dim), order=(0, 1))
 
 
 class StaggeredConsumers:
-    """Needs head_dim, m_block, stages, dtype and deterministic."""
+    """Needs head_dim, m_block, stages, dtype, deterministic and
+    dq_splits_queries."""
 
     @cute.jit
     def _announce_virtual_tile(self, wg, n_iters):
@@ -88,7 +112,10 @@ class StaggeredConsumers:
             # A tiled MMA of its own: one whose ACCUMULATE field is set inside
             # a branch must not be used past it.
             MN_MAJOR = warpgroup.OperandMajorMode.MN
-            mma_dq = tiled_mma(self.dtype, MN_MAJOR, MN_MAJOR, (NUM_MMA_WG, 1, 1), self.m_block)
+            if cutlass.const_expr(self.dq_splits_queries):
+                mma_dq = tiled_mma(self.dtype, MN_MAJOR, MN_MAJOR, (1, NUM_MMA_WG, 1), self.m_block // NUM_MMA_WG)
+            else:
+                mma_dq = tiled_mma(self.dtype, MN_MAJOR, MN_MAJOR, (NUM_MMA_WG, 1, 1), self.m_block)
             issue_wgmma(mma_dq, acc_dQ, tdQrA[None, None, None, 0], tdQrB[None, None, None, last_buffer], True)
             warpgroup.wait_group(0)
             acc_dQ.store(acc_dQ.load() * scale)
@@ -103,7 +130,7 @@ class StaggeredConsumers:
         tile (its head-dim rows of dQ^T), then the leader's, which comes a
         tile later; the leader's first store (tile -1) is taken and dropped."""
         D, M = self.head_dim, self.m_block
-        half_cols = D // NUM_MMA_WG
+        half_shape = dq_half_shape(M, D, self.dq_splits_queries)
         if n_iters > 0:
             for half in cutlass.range_constexpr(NUM_MMA_WG):  # both start empty
                 cute.arch.barrier_arrive(barrier_id=bar_dq_empty(half), number_of_threads=HALF_BAR_THREADS)
@@ -111,15 +138,19 @@ class StaggeredConsumers:
             cute.arch.barrier_arrive(barrier_id=bar_dq_empty(0), number_of_threads=HALF_BAR_THREADS)
         for it in cutlass.range(n_iters, unroll=1):
             head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic, Int32(0))
-            gdQ = cute.local_tile(tma_dQ[None, None, head, batch], (M, half_cols), (None, None))
+            gdQ = cute.local_tile(tma_dQ[None, None, head, batch], half_shape, (None, None))
             for h in cutlass.range_constexpr(NUM_MMA_WG):
                 half = NUM_MMA_WG - 1 - h
-                sdQ_half = cute.local_tile(sdQ, (M, half_cols), (0, half))
+                coord = (half, 0) if self.dq_splits_queries else (0, half)
+                sdQ_half = cute.local_tile(sdQ, half_shape, coord)
                 tdQsdQ, tdQgdQ = cpasync.tma_partition(
                     tma_atom_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_half, 0, 2), cute.group_modes(gdQ, 0, 2)
                 )
                 cute.arch.barrier(barrier_id=bar_dq_full(half), number_of_threads=HALF_BAR_THREADS)
-                cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, m_block, half])
+                if cutlass.const_expr(self.dq_splits_queries):
+                    cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, NUM_MMA_WG * m_block + half, 0])
+                else:
+                    cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, m_block, half])
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                 if it + 1 < n_iters:
