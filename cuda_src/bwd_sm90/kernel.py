@@ -22,9 +22,10 @@ Computing the transposed scores puts the keys in the WGMMA M dimension, so
 P^T and dS^T come out of the accumulators already in the register layout of
 the A operand of dV and dK: P never touches shared memory and the dV GEMM
 starts as soon as P^T exists. Only dS^T goes to shared memory (stmatrix,
-double buffered), because dQ needs every key of a query row. At 80 query
-rows (hd128) the two WGs do not meet on every query tile: each hands the
-other its dS^T, and WG 0 computes its half of dQ^T a tile late (staggered.py).
+double buffered), because dQ needs every key of a query row. At 80 and 112
+query rows (hd128, hd64) the two WGs do not meet on every query tile: each
+hands the other its dS^T, and WG 0 computes its half of dQ^T a tile late
+(staggered.py).
 
 Head dims 192 and 256 (TileConfig.split_head_dim) would need 256 floats of
 dK and dV per thread at 128 keys: there the CTA owns 64 keys and the two

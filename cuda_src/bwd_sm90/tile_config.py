@@ -150,9 +150,12 @@ class TileConfig:
 # Since e4ee69c its two consumer WGs run out of step (FlashBwdSm90.staggered,
 # staggered.py): H100, results runs 160-161, seq 8192 non-causal / causal,
 # 583-596 / 514-524 against 536-544 / 480-486 in step (cuDNN 515-516 /
-# 458-461), seq 2048 490 / 380 against 456-461 / 358-361. hd64's 112 rows,
-# where the WGs split dQ^T's query columns, do not run staggered yet (with no
-# hand-offs at all, a timing probe ran hd64 16% faster: run 159).
+# 458-461), seq 2048 490 / 380 against 456-461 / 358-361. Since 817c9eb
+# hd64's 112 rows too, whose WGs split dQ^T's query columns and store the dQ
+# tile's row halves one after the other: H100, runs 162-163, non-causal /
+# causal, seq 2048 426 / 298 against 380-392 / 296 in step (cuDNN 361 / 258),
+# 8192 496 / 425 against 463-469 / 410-412 (cuDNN 442 / 366), 16384 508 /
+# 464 against 475-479 / 462-465 (cuDNN 440 / 430).
 # At this tile the fp32 dQ tile's shared stores (40 per thread and query
 # tile) cost 7-8% of the backward, waiting on shared-memory bandwidth that
 # the dK and dQ GEMMs use at the same time (timing probes, H200 run 13 and
