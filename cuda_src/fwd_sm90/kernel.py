@@ -46,10 +46,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from common.dsl_common import (
-    cap_scores,
-    logit_scales,
-    wgmma_acc_as_operand_a,
-    wgmma_acc_as_rows_cols,
+    cap_scores, logit_scales, wgmma_acc_as_operand_a, wgmma_acc_as_rows_cols,
 )
 from launch_order import tile_of_cta
 from online_softmax import online_softmax, rescale_rows, store_converted
