@@ -10,8 +10,14 @@
 # Each quoted group is one run of cuda_src/FAMILY/export.py; the objects it
 # writes replace those of the same name in the local build's family archive
 # (needs the local build: pip install -e .), and the library is relinked with
-# the main build's link command into .gpu/alt/NAME.so (git-ignored). The
-# ptxas line of every re-exported kernel is printed. On the GPU machine:
+# the main build's link command into .gpu/alt/NAME.so (git-ignored). A group
+# "@OTHER_FAMILY" makes the groups after it export from that family, so that
+# one library (the GPU machine takes one, 64 MiB carried in all) holds
+# alternatives of two families:
+#
+#   bash scripts/build_alternative.sh two fwd_sm90 "--only ..." @bwd_sm90 "--only ..."
+#
+# The ptxas line of every re-exported kernel is printed. On the GPU machine:
 #
 #   JAX_FLASH_CUDA_LIBRARY=.gpu/alt/NAME.so python benchmarks/bench_attention.py --variant NAME ...
 set -euo pipefail
@@ -26,8 +32,17 @@ BUILD=$(ls -d "$ROOT"/build/*/ | head -1)
 ARCH=sm_90a
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-cp -r "$BUILD/aot/${FAMILY}_${ARCH}" "$WORK/objects"
+families=()
+use_family() {
+  FAMILY=$1
+  [[ -d $WORK/$FAMILY ]] || { cp -r "$BUILD/aot/${FAMILY}_${ARCH}" "$WORK/$FAMILY"; families+=("$FAMILY"); }
+}
+use_family "$FAMILY"
 for args in "$@"; do
+  if [[ $args == @* ]]; then
+    use_family "${args#@}"
+    continue
+  fi
   mkdir -p "$WORK/export"
   # shellcheck disable=SC2086  # the group is split into export.py's arguments
   CUTE_DSL_ARCH=$ARCH CUTE_DSL_COMPILER_OPT="remarks{ptx}" python3 \
@@ -40,13 +55,15 @@ from export_kernels import ANSI_ESCAPE, ptxas_summary
 for name, registers, spilled, advisories in ptxas_summary(ANSI_ESCAPE.sub("", pathlib.Path(sys.argv[1]).read_text())):
   print(f"{name}: {registers} registers, {spilled} bytes spilled {'; '.join(advisories)}")
 PY
-  cp "$WORK"/export/jf_*.o "$WORK/objects/"
+  cp "$WORK"/export/jf_*.o "$WORK/$FAMILY/"
   rm -rf "$WORK/export"
 done
-ar rcs "$WORK/lib${FAMILY}_${ARCH}.a" "$WORK"/objects/*.o
 mkdir -p "$ROOT/.gpu/alt"
 link=$(cd "$BUILD" && ninja -t commands libjax_flash_cuda.so | tail -1)
-link=${link//"aot/lib${FAMILY}_${ARCH}.a"/"$WORK/lib${FAMILY}_${ARCH}.a"}
+for family in "${families[@]}"; do
+  ar rcs "$WORK/lib${family}_${ARCH}.a" "$WORK/$family"/*.o
+  link=${link//"aot/lib${family}_${ARCH}.a"/"$WORK/lib${family}_${ARCH}.a"}
+done
 link=${link//"-o libjax_flash_cuda.so"/"-o $ROOT/.gpu/alt/$NAME.so"}
 (cd "$BUILD" && eval "$link")
 echo "wrote .gpu/alt/$NAME.so"
