@@ -6,23 +6,33 @@ shipped build's own timings.
     python benchmarks/compare_variants.py gpu_out/alternatives.json
 
 jax_flash rows name their library and round in the variant ("shipped-2",
-"tree4-1"); rows without a round count as round 1.
+"tree4-1"); rows without a round count as round 1. bench_attention.py's
+option rows ("shipped-2-deterministic", "shipped-2-softcap-20") count as a
+library of their own ("shipped:deterministic").
 """
 
 import argparse
 import collections
 import json
 import pathlib
+import re
 import statistics
 import sys
 
 
+OPTION_SUFFIX = re.compile(r"-(deterministic|softcap-[^-]+)$")
+
+
 def library_of(row: dict) -> str:
-  """The library a row timed: cuDNN, or the jax_flash variant without its round."""
+  """The library a row timed: cuDNN, or the jax_flash variant without its
+  round (and ":option" for bench_attention.py's option rows)."""
   if row["impl"] != "jax_flash":
     return row["impl"]
-  name, _, round_number = (row.get("variant") or "shipped").rpartition("-")
-  return name if name and round_number.isdigit() else row.get("variant") or "shipped"
+  variant, option = row.get("variant") or "shipped", ""
+  if match := OPTION_SUFFIX.search(variant):
+    variant, option = variant[:match.start()], ":" + match.group(1)
+  name, _, round_number = variant.rpartition("-")
+  return (name if name and round_number.isdigit() else variant) + option
 
 
 def timings(rows: list) -> dict:

@@ -304,6 +304,18 @@ def test_compare_variants_takes_medians_per_library_over_rounds(tmp_path, capsys
   assert compare_variants.main([str(path)]) == 1
 
 
+def test_compare_variants_keeps_option_rows_apart():
+  """bench_attention.py --deterministic / --softcap rows of a round are a
+  library of their own, not one per round."""
+  config = {"head_dim": 128, "head_dim_v": 128, "seq_q": 8192, "causal": False, "op": "bwd"}
+  variants = {"shipped-1": 590.0, "shipped-1-deterministic": 530.0, "shipped-2-deterministic": 532.0,
+              "x-2-softcap-20": 500.0, "x-2": 600.0, "deterministic": 520.0}
+  rows = [{**config, "impl": "jax_flash", "variant": v, "tflops": t} for v, t in variants.items()]
+  assert compare_variants.timings(rows)[128, 128, 8192, False, "bwd"] == {
+      "shipped": [590.0], "shipped:deterministic": [530.0, 532.0], "x:softcap-20": [500.0], "x": [600.0],
+      "deterministic": [520.0]}
+
+
 def test_kernel_times_reports_every_implementation_and_head_dim(tmp_path):
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
   import kernel_times
