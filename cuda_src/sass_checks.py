@@ -7,13 +7,16 @@ as early as its dependencies allow, and unless the kernel anchors it (see
 `_consume` in fwd_sm90/kernel.py) it lands above the softmax, which then no
 longer overlaps that GEMM: about 4% of the forward at hd128 (results run 15).
 
-It needs `cuobjdump` (CUDA toolkit, or `pip download nvidia-cuda-cuobjdump`):
-export_kernels.py runs it when one is on PATH or named by $CUOBJDUMP and
-prints that it skipped otherwise.
+It needs `cuobjdump` and the `nvdisasm` it calls: named by $CUOBJDUMP, on
+PATH (CUDA toolkit) or from the pip packages nvidia-cuda-cuobjdump and
+nvidia-cuda-nvdisasm, which the build requires (pyproject.toml), so that
+every build with the GPU kernels runs the checks. export_kernels.py prints
+that it skipped them when there is none.
 
     python cuda_src/sass_checks.py BUILD/aot/fwd_sm90_sm_90a
 """
 
+import importlib.util
 import os
 import pathlib
 import re
@@ -59,16 +62,30 @@ def exps_after_pv_wait(sass: str):
   return count(s_wait, pv_wait), count(pv_wait, end)
 
 
+def _pip_cuda_tool(name: str):
+  """NAME from an installed nvidia-cuda-* package (nvidia/cu*/bin), if any."""
+  spec = importlib.util.find_spec("nvidia")
+  for root in (spec.submodule_search_locations or []) if spec else []:
+    for tool in sorted(pathlib.Path(root).glob(f"cu*/bin/{name}"), reverse=True):
+      if os.access(tool, os.X_OK):
+        return str(tool)
+  return None
+
+
 def find_cuobjdump():
-  return os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
+  return os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump") or _pip_cuda_tool("cuobjdump")
 
 
 def disassemble(cubin: bytes, cuobjdump: str) -> str:
+  env = dict(os.environ)
+  nvdisasm = shutil.which("nvdisasm") or _pip_cuda_tool("nvdisasm")
+  if nvdisasm:  # cuobjdump -sass runs it from PATH
+    env["PATH"] = os.pathsep.join([str(pathlib.Path(nvdisasm).parent), env.get("PATH", "")])
   with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
     f.write(cubin)
     f.flush()
     return subprocess.run([cuobjdump, "-sass", f.name], check=True, capture_output=True,
-                          text=True).stdout
+                          text=True, env=env).stdout
 
 
 def check_pv_wait(objects, cuobjdump: str) -> list:
