@@ -7,6 +7,9 @@ cd "$(dirname "$0")/.."
 build=$(ls -d build/*/aot | head -1)
 rm -rf .gpu && mkdir -p .gpu
 cp -r "$build" .gpu/aot
+# CMake links the archives and includes the headers; the loose objects repeat
+# the archives and would take a third of the 64 MiB a GPU call can carry.
+find .gpu/aot -name "*.o" -delete
 runtime=$(python3 -c "import nvidia_cutlass_dsl, pathlib; print(pathlib.Path(list(nvidia_cutlass_dsl.__path__)[0]) / 'cu13/lib/libcuda_dialect_runtime_static.a')")
 cp "$runtime" .gpu/aot/
 du -sh .gpu
