@@ -103,8 +103,8 @@ def test_cuda_images_are_carved_out_of_an_object_file():
 
 def test_hopper_backward_named_barriers_do_not_collide():
   """Every named barrier a variant of bwd_sm90 uses has an id of its own
-  below 16 (cuda_src/bwd_sm90/barriers.py). The staggered variant has one
-  dQ writer and no dq_in_stage, whose ids it reuses."""
+  below 16 (cuda_src/bwd_sm90/barriers.py). The staggered variant has a dQ
+  writer per consumer WG at most and no dq_in_stage, whose ids it reuses."""
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "cuda_src" / "bwd_sm90"))
   import barriers as b  # noqa: E402
   writers = range(b.MAX_DQ_WRITERS)

@@ -130,7 +130,6 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers):
         self.stages = cfg.stages
         self.split_head_dim = cfg.split_head_dim
         self.dq_in_stage = cfg.dq_in_stage
-        self.dq_writers = cfg.det_dq_writers if deterministic else 1
         self.stats_warp = cfg.det_stats_warp or not deterministic
         # Query rows that do not tile WGMMA's M (80, 112): dQ^T = K^T dS^T instead,
         # the WGs splitting its head dim, or at one WGMMA's M of head dim its
@@ -142,8 +141,12 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers):
         self.dq_in_tiles = cfg.dq_tile_rows > 0
         assert self.dq_in_tiles != self.dq_transposed
         self.dq_splits_queries = self.dq_transposed and head_dim == WGMMA_M
-        # The consumer WGs out of step (staggered.py).
-        self.staggered = self.dq_transposed and not deterministic
+        # The consumer WGs out of step (staggered.py); deterministic, a dQ
+        # writer warp per WG's half.
+        self.staggered = self.dq_transposed
+        self.dq_writers = 1
+        if deterministic:
+            self.dq_writers = NUM_MMA_WG if self.staggered else cfg.det_dq_writers
         if self.dq_transposed and (cfg.split_head_dim or cfg.m_block % 16 != 0 or not self.stats_warp
                                    or not (self.dq_splits_queries or head_dim % (WGMMA_M * NUM_MMA_WG) == 0)):
             raise NotImplementedError(f"m_block={cfg.m_block} at head_dim={head_dim}: a multiple of 16, no "
@@ -388,9 +391,15 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers):
                     seqlen_q,
                 )
             if cutlass.const_expr(self.staggered):
+                dq_args = (tma_dQ, tma_atom_dQ, sdQ, mDqSem, hi, q_len, kv_len, n_block, kv_head, batch,
+                           mdK.shape[0], group, m_block_min, m_blocks, rotation, rotated_first, rotated_kv_blocks,
+                           chains, chain_first, chain_count, n_iters)
                 if warp_idx == DQ_WARP:
-                    self._write_dq_halves(tma_dQ, tma_atom_dQ, sdQ, kv_head, batch, group, m_block_min, m_blocks,
-                                          n_iters)
+                    self._write_dq_halves(*dq_args, (1, 0) if self.dq_writers == 1 else (1,),
+                                          tma_dQ_store, tma_atom_dQ_store)
+                if cutlass.const_expr(self.dq_writers == NUM_MMA_WG):
+                    if warp_idx == DQ_WARP + 1:
+                        self._write_dq_halves(*dq_args, (0,), tma_dQ_store, tma_atom_dQ_store)
             elif warp_idx >= DQ_WARP and warp_idx < DQ_WARP + self.dq_writers:
                 self._write_dq(
                     tma_dQ, tma_atom_dQ, sdQ, pipe, mDqSem, hi, q_len, kv_len, n_block, kv_head, batch,

@@ -109,6 +109,6 @@ def dq_tma_atoms(mdQ, sdQ_layout, m_block: int, head_dim: int, dq_in_tiles: bool
     tma_atom_dQ_store, tma_dQ_store = None, None
     if deterministic:
         tma_atom_dQ_store, tma_dQ_store = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), dq_view, dq_smem, (M, D)
+            cpasync.CopyBulkTensorTileS2GOp(), dq_view, dq_smem, dq_box
         )
     return tma_atom_dQ, tma_dQ, tma_atom_dQ_store, tma_dQ_store

@@ -10,7 +10,9 @@ dS arithmetic at the same time while the tensor pipe waited. Staggered:
   stored. Each WG signals its dS^T rows of a buffer (bar_ds_full) and, once
   its dQ^T GEMM has read a buffer, that it is free (bar_ds_free).
 - Each WG stores its half of the dQ tile when its GEMM is done, and the
-  writer warp adds each half as a box of its own (_write_dq_halves).
+  writer warp adds each half as a box of its own (_write_dq_halves). The
+  deterministic variant has a writer warp per half, and each half of a query
+  tile its own turns.
 - Each WG meets the stats warp on a barrier of its own (warp_roles).
 The leader's dQ^T of the tile before its first (no tile: "tile -1", dS
 buffer 1) runs like every other, so that neither the GEMM nor the store sits
@@ -33,7 +35,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from barriers import BAR_ALONE, bar_dq_empty, bar_dq_full, bar_ds_free, bar_ds_full
-from common.dsl_common import query_tile_of
+from common.dsl_common import query_tile_of, release_add_s32, wait_field_at_least
 from warp_roles import HALF_BAR_THREADS, NUM_MMA_THREADS, NUM_MMA_WG, WG_THREADS
 from wgmma_views import dq_tile_layout, issue_wgmma, tiled_mma
 
@@ -125,33 +127,67 @@ class StaggeredConsumers:
             cute.arch.barrier_arrive(barrier_id=bar_dq_full(wg), number_of_threads=HALF_BAR_THREADS)
 
     @cute.jit
-    def _write_dq_halves(self, tma_dQ, tma_atom_dQ, sdQ, kv_head, batch, group, m_block_min, m_blocks, n_iters):
-        """The dQ writer warp: per query tile, the follower's half of the dQ
-        tile (its head-dim rows of dQ^T), then the leader's, which comes a
-        tile later; the leader's first store (tile -1) is taken and dropped."""
+    def _write_dq_halves(
+        self, tma_dQ, tma_atom_dQ, sdQ, mDqSem, hi, q_len, kv_len, n_block, kv_head, batch, batches, group,
+        m_block_min, m_blocks, rotation, rotated_first, rotated_kv_blocks, chains, chain_first, chain_count,
+        n_iters, halves: cutlass.Constexpr, tma_dQ_store=None, tma_atom_dQ_store=None,
+    ):
+        """A dQ writer warp: per query tile, its `halves` of the dQ tile (the
+        follower's half 1, then the leader's half 0, which comes a tile
+        later; the leader's first store, tile -1, is taken and dropped), each
+        added as a box of its own.
+        Deterministic (one writer warp per half): each half of a query tile
+        has turns of its own, a 16-bit count at bit 16 x half of the tile's
+        dq_semaphore entry, so that the leader's late half holds up no other
+        CTA's follower half. The first turn of each accumulator stores its
+        half instead of adding it (ProducerWarps._write_dq)."""
         D, M = self.head_dim, self.m_block
         half_shape = dq_half_shape(M, D, self.dq_splits_queries)
+        lane = cute.arch.lane_idx()
         if n_iters > 0:
-            for half in cutlass.range_constexpr(NUM_MMA_WG):  # both start empty
+            for half in sorted(halves):  # they start empty
                 cute.arch.barrier_arrive(barrier_id=bar_dq_empty(half), number_of_threads=HALF_BAR_THREADS)
-            cute.arch.barrier(barrier_id=bar_dq_full(0), number_of_threads=HALF_BAR_THREADS)
-            cute.arch.barrier_arrive(barrier_id=bar_dq_empty(0), number_of_threads=HALF_BAR_THREADS)
+            if cutlass.const_expr(0 in halves):
+                cute.arch.barrier(barrier_id=bar_dq_full(0), number_of_threads=HALF_BAR_THREADS)
+                cute.arch.barrier_arrive(barrier_id=bar_dq_empty(0), number_of_threads=HALF_BAR_THREADS)
         for it in cutlass.range(n_iters, unroll=1):
-            head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic, Int32(0))
-            gdQ = cute.local_tile(tma_dQ[None, None, head, batch], half_shape, (None, None))
-            for h in cutlass.range_constexpr(NUM_MMA_WG):
-                half = NUM_MMA_WG - 1 - h
+            head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic, rotation)
+            accumulator, turn, k = batch, None, None
+            if cutlass.const_expr(self.deterministic):
+                chain, turn, k = self._dq_turn(mDqSem, hi, q_len, kv_len, n_block, batch, head, m_block, m_block_min,
+                                               m_blocks, rotated_first, rotated_kv_blocks, chains, chain_first,
+                                               chain_count)
+                accumulator = chain * batches + batch
+            gdQ = cute.local_tile(tma_dQ[None, None, head, accumulator], half_shape, (None, None))
+            for i in cutlass.range_constexpr(len(halves)):
+                half = halves[i]
                 coord = (half, 0) if self.dq_splits_queries else (0, half)
+                tile = (NUM_MMA_WG * m_block + half, 0) if self.dq_splits_queries else (m_block, half)
                 sdQ_half = cute.local_tile(sdQ, half_shape, coord)
                 tdQsdQ, tdQgdQ = cpasync.tma_partition(
                     tma_atom_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_half, 0, 2), cute.group_modes(gdQ, 0, 2)
                 )
                 cute.arch.barrier(barrier_id=bar_dq_full(half), number_of_threads=HALF_BAR_THREADS)
-                if cutlass.const_expr(self.dq_splits_queries):
-                    cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, NUM_MMA_WG * m_block + half, 0])
+                if cutlass.const_expr(self.deterministic):
+                    if lane == 0:
+                        wait_field_at_least(turn, k // chain_count, 16 * half)
+                    cute.arch.sync_warp()
+                    gdQ_store = cute.local_tile(tma_dQ_store[None, None, head, accumulator], half_shape, (None, None))
+                    store_sdQ, store_gdQ = cpasync.tma_partition(
+                        tma_atom_dQ_store, 0, cute.make_layout(1), cute.group_modes(sdQ_half, 0, 2),
+                        cute.group_modes(gdQ_store, 0, 2)
+                    )
+                    if k < chain_count:  # the first turn of its accumulator
+                        cute.copy(tma_atom_dQ_store, store_sdQ, store_gdQ[None, tile[0], tile[1]])
+                    else:
+                        cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, tile[0], tile[1]])
                 else:
-                    cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, m_block, half])
+                    cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, tile[0], tile[1]])
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                 if it + 1 < n_iters:
                     cute.arch.barrier_arrive(barrier_id=bar_dq_empty(half), number_of_threads=HALF_BAR_THREADS)
+                if cutlass.const_expr(self.deterministic):
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    if lane == 0:
+                        release_add_s32(turn, Int32(1 << (16 * half)))

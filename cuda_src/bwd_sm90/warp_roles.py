@@ -44,9 +44,10 @@ STATS_WARP = DQ_WARP + MAX_DQ_WRITERS
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 DQ_BAR_THREADS = NUM_MMA_THREADS + WARP_THREADS
-# The staggered variant (staggered.py) has one dQ writer, which meets each
-# consumer WG on its own pair of barriers (bar_dq_empty / bar_dq_full(wg)),
-# and the stats warp meets each WG on its own barrier.
+# The staggered variant (staggered.py) has one dQ writer (deterministic: one
+# per WG), which meets each consumer WG on its own pair of barriers
+# (bar_dq_empty / bar_dq_full(wg)), and the stats warp meets each WG on its
+# own barrier.
 HALF_BAR_THREADS = WG_THREADS + WARP_THREADS
 
 
@@ -84,7 +85,7 @@ class ProducerWarps:
         with tma_atom_dQ_store instead of adding it, so nobody zeroes
         dq_accum; what no turn reaches stays unwritten, and the caller keeps
         only the tiles whose dq_semaphore count is nonzero."""
-        D, M, N = self.head_dim, self.m_block, self.n_block
+        D, M = self.head_dim, self.m_block
         lane = cute.arch.lane_idx()
         # dQ chains, the deterministic variant's dQ accumulators (`chains` of them; kernel_api.h:
         # dq_chains), which the caller zeroes and sums in order. In the rotated order (no mask), a group of
@@ -105,15 +106,8 @@ class ProducerWarps:
                 cute.arch.barrier_arrive(barrier_id=bar_dq_empty(writer), number_of_threads=DQ_BAR_THREADS)
         for it in cutlass.range(writer, n_iters, self.dq_writers, unroll=1):
             head, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic, rotation)
-            chain, turn, k = Int32(0), mDqSem.iterator, Int32(0)
-            if cutlass.const_expr(self.deterministic):
-                if rotated_kv_blocks > 0:
-                    k = rotated_turn(n_block - rotated_first, m_block - m_block_min, rotated_kv_blocks, m_blocks)
-                else:
-                    k = last_kv_block_seeing(m_block, M, N, hi, q_len, kv_len) - n_block
-                chain = chain_first + k % chain_count
-                # dq_semaphore has chains entries per 32 query rows.
-                turn = mDqSem.iterator + cute.crd2idx((batch, head, m_block * chains + chain), mDqSem.layout)
+            chain, turn, k = self._dq_turn(mDqSem, hi, q_len, kv_len, n_block, batch, head, m_block, m_block_min,
+                                           m_blocks, rotated_first, rotated_kv_blocks, chains, chain_first, chain_count)
             tile = m_block
             if cutlass.const_expr(self.dq_in_tiles):
                 gdQ = cute.local_tile(tma_dQ, (M, D), (None, 0))
@@ -153,6 +147,23 @@ class ProducerWarps:
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
                 if lane == 0:
                     release_add_s32(turn, Int32(1))
+
+    @cute.jit
+    def _dq_turn(self, mDqSem, hi, q_len, kv_len, n_block, batch, head, m_block, m_block_min, m_blocks,
+                 rotated_first, rotated_kv_blocks, chains, chain_first, chain_count):
+        """(chain, turn, k) of this KV tile at query tile m_block: its turn k
+        there, the dQ accumulator it adds into and the dq_semaphore entry that
+        counts the turns (deterministic only; else 0, the first entry, 0)."""
+        chain, turn, k = Int32(0), mDqSem.iterator, Int32(0)
+        if cutlass.const_expr(self.deterministic):
+            if rotated_kv_blocks > 0:
+                k = rotated_turn(n_block - rotated_first, m_block - m_block_min, rotated_kv_blocks, m_blocks)
+            else:
+                k = last_kv_block_seeing(m_block, self.m_block, self.n_block, hi, q_len, kv_len) - n_block
+            chain = chain_first + k % chain_count
+            # dq_semaphore has chains entries per 32 query rows.
+            turn = mDqSem.iterator + cute.crd2idx((batch, head, m_block * chains + chain), mDqSem.layout)
+        return chain, turn, k
 
     @cute.jit
     def _dq_store_views(self, tma_atom, tma_dQ, sdQ, head, batch_chain, stage):

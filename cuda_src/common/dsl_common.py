@@ -262,6 +262,16 @@ def wait_at_least(ptr: cute.Pointer, target: Int32):
 
 
 @cute.jit
+def wait_field_at_least(ptr: cute.Pointer, target: Int32, shift: cutlass.Constexpr):
+    """Spin until the 16-bit count at bit `shift` of the int32 at ptr is >=
+    target (acquire): two counters in one word, each raised by
+    release_add_s32 of 1 << shift."""
+    seen = (ld_acquire_s32(ptr) >> shift) & 0xFFFF
+    while seen < target:
+        seen = (ld_acquire_s32(ptr) >> shift) & 0xFFFF
+
+
+@cute.jit
 def first_kv_block_seeing(m_block, m_rows: cutlass.Constexpr, n_rows: cutlass.Constexpr, key_lo):
     """The first KV tile (n_rows keys) whose backward CTA visits query tile
     m_block (m_rows rows) when visible pairs satisfy j - i >= key_lo: the CTAs
