@@ -156,6 +156,12 @@ class TileConfig:
 # causal, seq 2048 426 / 298 against 380-392 / 296 in step (cuDNN 361 / 258),
 # 8192 496 / 425 against 463-469 / 410-412 (cuDNN 442 / 366), 16384 508 /
 # 464 against 475-479 / 462-465 (cuDNN 440 / 430).
+# The deterministic variant staggered too (a dQ writer warp per WG's half,
+# each half of a query tile taking turns of its own; det_dq_writers then
+# does not apply): H100, runs 166-168, seq 8192, deterministic backward
+# TFLOPS non-causal / causal, hd128 584 / 512 against 531-538 / 472-473 in
+# step, hd64 464 / 403 against 446-457 / 392-402 (default 598-601 / 526-530
+# and 498-510 / 426-433, cuDNN 510 / 462 and 437 / 374).
 # At this tile the fp32 dQ tile's shared stores (40 per thread and query
 # tile) cost 7-8% of the backward, waiting on shared-memory bandwidth that
 # the dK and dQ GEMMs use at the same time (timing probes, H200 run 13 and

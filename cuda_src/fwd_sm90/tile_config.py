@@ -96,6 +96,11 @@ Q_IN_REGISTERS = {(128, 128)}
 # Run 116 (four timings each, 4 chains against 1): seq 8k 494 / 471 against
 # 492 / 467. The packed-document variant of a head dim shares its entry (not
 # timed); the short-sequence one has its own (ShortTile.reduction_partials).
+# Taking the row sum off the FP32 pipe (a WGMMA of P times a tile of ones
+# beside the PV GEMM) or every k-th exp2 off the MUFU (a polynomial on the
+# FMA pipe) did not pay at hd64 (results runs 166-167, seq 8192: bf16 495 /
+# 469 against 497 / 472; fp16 at k = 4 429 / 411 against 488 / 452;
+# benchmarks/HISTORY.md).
 REDUCTION_PARTIALS = {(64, 64): 4}
 
 # (head_dim, head_dim_v) -> seqlen_q from which the launcher runs, for masks
