@@ -7,8 +7,9 @@ backward also in its deterministic variant (dQ turns between CTAs, several
 dQ writer warps; two dQ accumulators at hd192 and 192 / 128 without a mask,
 and four over 4500 keys, where on 132 SMs a head's KV tiles rotate in two groups),
 the soft-capped backward at hd64 and hd128 (tanh recovered from P, dQ
-transposed), the plain hd64 and hd128 backward over three and four query tiles
-(warpgroups out of step, dQ added in halves: bwd_sm90/staggered.py), and a
+transposed), the hd64 and hd128 backward over three and four query tiles
+(warpgroups out of step, dQ added in halves: bwd_sm90/staggered.py), plain
+and deterministic (each half with turns of its own), and a
 long non-causal forward at hd128, whose CTAs pair up to multicast K / V
 (kernel.py kv_multicast)."""
 
@@ -46,8 +47,10 @@ for head_dim in (64, 128):
   q, k, v = (jax.random.normal(key, (2, 300, 2, head_dim), jnp.bfloat16)
              for key in jax.random.split(jax.random.key(3), 3))
   for causal in (False, True):
-    loss = lambda q, k, v: jnp.sum(jax_flash.attention(q, k, v, causal=causal, implementation="gpu").astype(jnp.float32))
-    jax.block_until_ready(jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v))
+    for deterministic in (False, True):
+      loss = lambda q, k, v: jnp.sum(jax_flash.attention(
+          q, k, v, causal=causal, deterministic=deterministic, implementation="gpu").astype(jnp.float32))
+      jax.block_until_ready(jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v))
 keys = jax.random.split(jax.random.key(1), 3)
 q = jax.random.normal(keys[0], (2, 4097, 2, 128), jnp.bfloat16)
 k, v = (jax.random.normal(key, (2, 130, 1, 128), jnp.bfloat16) for key in keys[1:])
