@@ -1,22 +1,23 @@
-"""TFLOPS against sequence length, from benchmark rows (DESIGN.md §8).
+"""TFLOPS against sequence length, from benchmark rows (docs/numerics.md).
 
-    python benchmarks/plot_results.py benchmarks/results/h100-2026-11-21.json --out h100.png
-    python benchmarks/plot_results.py benchmarks/results/h100-2026-11-21.json --out run3.png --run 3
+    python benchmarks/plot_results.py benchmarks/results/h100-2026-11-26-run121.json --out run121.png
+    python benchmarks/plot_results.py gpu_out/bench.json --out sweep.png --run 3
 
 One panel per head dim (or head dim pair, e.g. 192/128), the forward in the
 top row and the backward below it. A line per implementation (with its
 variant, and its dtype where the rows mix dtypes): solid without a mask,
 dashed causal. The dotted grey line is the
 matmul ceiling measured in the same run. A configuration measured more than
-once is drawn from its last row, since results files append runs in order.
+once is drawn from its last row, since the benchmarks append rows in order.
 ``benchmarks/bench_attention.py --plot`` draws its own rows the same way.
 """
 
 import argparse
-import json
 import pathlib
 import statistics
 import sys
+
+from jax_flash import benchmark
 
 OPS = ("fwd", "bwd")
 OP_TITLES = {"fwd": "forward", "bwd": "backward"}
@@ -132,12 +133,14 @@ def plot(rows: list, path) -> int:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("results", type=pathlib.Path, help="a JSON list of DESIGN.md §8 rows")
+  parser.add_argument("results", type=pathlib.Path,
+                      help="a results file (benchmarks/results/) or the JSON list of rows a "
+                           "benchmark's --out writes")
   parser.add_argument("--out", type=pathlib.Path, help="PNG to write (default: RESULTS.png)")
   parser.add_argument("--run", type=int, help="only the rows of this run number")
   args = parser.parse_args(argv)
 
-  rows = json.loads(args.results.read_text())
+  rows = benchmark.read_rows(args.results)
   if args.run is not None:
     rows = [r for r in rows if r.get("run") == args.run]
     if not rows:

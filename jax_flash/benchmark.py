@@ -1,9 +1,9 @@
 """Timing attention implementations side by side, in one process.
 
-Used by ``python -m jax_flash`` and ``benchmarks/bench_attention.py``. Rows
-follow DESIGN.md §8: forward TFLOPS count ``4 * B * N * T * S * D`` (halved
-for causal when T == S); the backward counts 2.5x that and is timed as
-(forward + backward) - forward.
+Used by ``python -m jax_flash`` and the scripts in ``benchmarks/``. Rows and
+results files follow docs/numerics.md ("Results format"): forward TFLOPS
+count ``4 * B * N * T * S * D`` (halved for causal when T == S); the backward
+counts 2.5x that and is timed as (forward + backward) - forward.
 
 Implementations: ``jax_flash``; cuDNN and XLA through
 ``jax.nn.dot_product_attention``; ``pallas_mgpu``, JAX's Pallas Mosaic GPU
@@ -13,6 +13,8 @@ attention (``jax.experimental.pallas.ops.gpu.attention_mgpu``: Hopper, float16).
 import dataclasses
 import datetime
 import functools
+import json
+import pathlib
 import statistics
 import time
 
@@ -285,7 +287,8 @@ def matmul_ceiling_tflops(n: int = 8192, iters: int = 20, dtype: str = "bfloat16
 
 
 def rows(impl: str, config: Config, result: dict, ceiling: float | None, variant: str = "") -> list:
-  """DESIGN.md §8 rows for one measurement."""
+  """Result rows for one measurement, each carrying the fields that
+  ``run_header`` later moves into its run's header (gpu, jax, date)."""
   device = jax.devices()[0]
   common = {
       "impl": impl, "dtype": config.dtype, "batch": config.batch, "seq_q": config.seq,
@@ -301,3 +304,73 @@ def rows(impl: str, config: Config, result: dict, ceiling: float | None, variant
       out.append({**common, "op": op, "tflops": round(result[f"{op}_tflops"], 1),
                   "ms": round(result[f"{op}_ms"], 4)})
   return out
+
+
+# A results file holds one run: {"run": header, "rows": [...]}. The header says
+# once what every row shares; rows keep the configuration and the numbers.
+ROW_FIELDS = ("impl", "op", "dtype", "batch", "seq_q", "seq_k", "heads_q", "heads_kv", "head_dim",
+              "head_dim_v", "causal", "window", "variant", "tflops", "ms", "gbps")
+RUN_FIELDS = ("number", "gpu", "jax", "date", "commit", "command", "note")
+
+
+def run_header(rows: list, number: int, commit: str | None, command: str | None,
+               note: str | None) -> dict:
+  """The header of a run made of ``rows`` as ``rows()`` writes them: what
+  they all share, the first date (a run may pass midnight) and the matmul
+  ceiling when one was measured for all."""
+  for field in ("gpu", "jax"):
+    values = {row[field] for row in rows}
+    if len(values) != 1:
+      raise ValueError(f"one run holds one {field}, these rows hold {sorted(map(str, values))}")
+  header = {"number": number, "gpu": rows[0]["gpu"], "jax": rows[0]["jax"],
+            "date": min(row["date"] for row in rows), "commit": commit, "command": command,
+            "note": note}
+  ceilings = {row.get("matmul_ceiling_tflops") for row in rows}
+  if len(ceilings) == 1 and None not in ceilings:
+    header["matmul_ceiling_tflops"] = ceilings.pop()
+  return header
+
+
+def run_document(run: dict, rows: list) -> str:
+  """The text of a results file: the header indented, then one row a line
+  (short files that diff line by line). Fields the header holds are left
+  out of the rows."""
+  missing = [field for field in RUN_FIELDS if field not in run]
+  if missing:
+    raise ValueError(f"run header lacks {missing}")
+  lines = []
+  for row in rows:
+    absent = [field for field in ROW_FIELDS if field not in row]
+    if absent:
+      raise ValueError(f"row lacks {absent}: {row}")
+    ordered = {field: row[field] for field in ROW_FIELDS}
+    ordered |= {k: v for k, v in row.items() if k not in ordered and k not in run and k != "run"}
+    lines.append(json.dumps(ordered, separators=(",", ":")))
+  header = json.dumps(run, indent=2).replace("\n", "\n  ")
+  return '{\n  "run": ' + header + ',\n  "rows": [\n' + ",\n".join(lines) + "\n  ]\n}\n"
+
+
+def read_rows(path) -> list:
+  """The rows of one JSON file: a results file's rows with its header's
+  fields added to each (``number`` as ``run``), or a bare list of rows as
+  the benchmark scripts' ``--out`` writes them."""
+  loaded = json.loads(pathlib.Path(path).read_text())
+  if isinstance(loaded, list):
+    return loaded
+  if not isinstance(loaded, dict) or "rows" not in loaded:
+    raise ValueError(f"{path}: neither a results file nor a list of rows")
+  run = loaded["run"]
+  shared = {k: v for k, v in run.items() if k != "number"} | {"run": run["number"]}
+  return [shared | row for row in loaded["rows"]]
+
+
+def read_runs(directory) -> list:
+  """``(path, header, rows)`` of every results file in ``directory``, in name
+  order (names start with the GPU and the date). Other JSON files there
+  (kernel times, clocks) are skipped."""
+  runs = []
+  for path in sorted(pathlib.Path(directory).glob("*.json")):
+    loaded = json.loads(path.read_text())
+    if isinstance(loaded, dict) and "run" in loaded and "rows" in loaded:
+      runs.append((path, loaded["run"], loaded["rows"]))
+  return runs

@@ -1,5 +1,6 @@
-"""The benchmark's pure parts: FLOP counts, DESIGN.md §8 rows, the sweep and
-its table, the Pallas tile choices and the plot. Nothing here times anything."""
+"""The benchmark's pure parts: FLOP counts, result rows and results files
+(docs/numerics.md), the sweep and its table, the Pallas tile choices, the plot
+and the README's table. Nothing here times anything."""
 
 import json
 import math
@@ -15,10 +16,12 @@ from jax_flash import benchmark
 from jax_flash import configs as jax_flash_configs
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import add_run  # noqa: E402
 import bench_attention  # noqa: E402
 import bench_decode  # noqa: E402
 import compare_variants  # noqa: E402
 import plot_results  # noqa: E402
+import readme_table  # noqa: E402
 
 ROW_FIELDS = {"impl", "op", "dtype", "batch", "seq_q", "seq_k", "heads_q", "heads_kv", "head_dim",
               "head_dim_v", "causal", "window", "variant", "tflops", "ms", "gbps", "gpu", "jax",
@@ -59,7 +62,7 @@ def test_narrower_values_count_their_own_flops_and_shapes():
   assert line.split()[:3] == ["192/128", "1024", "False"]
 
 
-def test_rows_carry_the_design_fields():
+def test_rows_carry_the_result_fields():
   config = benchmark.Config(2, 8192, 16, 128, True, "float16")
   rows = benchmark.rows("cudnn", config, fake_result(config=config), 700.04, "deterministic")
   assert [row["op"] for row in rows] == ["fwd", "bwd"]
@@ -362,3 +365,86 @@ def test_sustained_clocks_reads_nvidia_smi_samples():
 
   assert sustained_clocks.stop_sampler(Sampler()) == dict(sm_mhz=1710.0, watts=695.0, max_temp_c=63.0)
   assert sustained_clocks.stop_sampler(None) == dict(sm_mhz=None, watts=None, max_temp_c=None)
+
+
+def test_a_run_file_holds_its_header_once_and_reads_back(tmp_path):
+  rows = sweep_rows() + sweep_rows(impl="cudnn", scale=0.8)
+  header = benchmark.run_header(rows, 7, "abc1234", "bench_attention.py --seqs 1024", "a note")
+  assert header["matmul_ceiling_tflops"] == 700.0 and header["number"] == 7
+  path = tmp_path / "run.json"
+  path.write_text(benchmark.run_document(header, rows))
+  loaded = json.loads(path.read_text())
+  assert loaded["run"] == header
+  assert all(set(row).isdisjoint({"gpu", "jax", "date", "matmul_ceiling_tflops"})
+             for row in loaded["rows"])
+  assert len(path.read_text().splitlines()) == len(rows) + len(header) + 6  # a row a line
+  back = benchmark.read_rows(path)
+  assert [{k: row[k] for k in original} for row, original in zip(back, rows)] == rows
+  assert {row["run"] for row in back} == {7}
+  assert benchmark.read_runs(tmp_path) == [(path, header, loaded["rows"])]
+
+
+def test_a_run_holds_one_gpu_and_complete_rows():
+  rows = sweep_rows()
+  with pytest.raises(ValueError, match="one gpu"):
+    benchmark.run_header(rows + [{**rows[0], "gpu": "NVIDIA H200"}], 1, None, None, None)
+  header = benchmark.run_header(rows, 1, None, None, None)
+  with pytest.raises(ValueError, match="lacks"):
+    benchmark.run_document(header, [{k: v for k, v in rows[0].items() if k != "ms"}])
+  with pytest.raises(ValueError, match="lacks"):
+    benchmark.run_document({"number": 1}, rows)
+
+
+def test_add_run_numbers_runs_per_gpu(tmp_path, capsys):
+  raw = tmp_path / "bench.json"
+  raw.write_text(json.dumps(sweep_rows()))
+  results = tmp_path / "results"
+  results.mkdir()
+  (results / "h100-2026-11-01-run041.json").write_text("{}")
+  (results / "h200x4-2026-11-01-run077.json").write_text("{}")
+  assert add_run.main([str(raw), "--command", "c", "--note", "n", "--results", str(results)]) == 0
+  gpu = jax.devices()[0].device_kind
+  series = add_run.gpu_series(gpu)
+  [written] = [p for p in results.glob(f"{series}-*-run*.json") if p.stat().st_size > 2]
+  assert written.name.endswith(f"-run{42 if series == 'h100' else 1:03d}.json")
+  assert json.loads(written.read_text())["run"]["note"] == "n"
+  assert add_run.gpu_series("NVIDIA H100 80GB HBM3") == "h100"
+  assert add_run.gpu_series("NVIDIA H200", 4) == "h200x4"
+
+
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+def test_committed_results_are_small_run_files():
+  total = sum(path.stat().st_size for path in RESULTS.iterdir())
+  assert total <= 2 * 1024 * 1024, f"benchmarks/results holds {total} bytes"
+  runs = benchmark.read_runs(RESULTS)
+  assert len(runs) >= 50
+  for path, header, rows in runs:
+    assert set(benchmark.RUN_FIELDS) <= set(header), path
+    assert rows and all(set(benchmark.ROW_FIELDS) <= set(row) for row in rows), path
+    assert path.name.startswith(add_run.gpu_series(header["gpu"])), path
+
+
+def test_readme_table_is_the_newest_full_run():
+  text = readme_table.table(readme_table.newest_full_run())
+  readme = (RESULTS.parents[1] / "README.md").read_text()
+  assert f"{readme_table.BEGIN}\n{text}\n{readme_table.END}" in readme, (
+      "README's table is stale: python benchmarks/readme_table.py --write")
+
+
+def test_readme_table_ratios_and_medians(tmp_path):
+  rows = []
+  for round_, scale in enumerate((1.0, 2.0, 1.5)):
+    rows += [{**row, "round": round_} for row in sweep_rows(scale=scale)]
+    rows += [{**row, "round": round_} for row in sweep_rows(impl="cudnn", scale=2 * scale)]
+  header = benchmark.run_header(rows, 3, None, "git 1234567; bench_attention.py --rounds 3", "n")
+  path = tmp_path / "h100-2026-11-30-run003.json"
+  path.write_text(benchmark.run_document(header, rows))
+  assert readme_table.newest_full_run(tmp_path) == path
+  text = readme_table.table(path, seq=4096)
+  assert "Medians of 3 rounds" in text and "`python benchmarks/bench_attention.py --rounds 3`" in text
+  assert "1234567" not in text
+  [line] = [line for line in text.splitlines() if line.startswith("| 64 |")]
+  # cuDNN took twice jax_flash's time in every round: ratio 2 both ways.
+  assert "(2.00 / 2.00)" in line and "deterministic" not in text
