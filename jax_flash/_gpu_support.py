@@ -1,0 +1,47 @@
+"""Which NVIDIA GPUs the compiled kernels run on.
+
+libjax_flash_cuda.so holds machine code (cubins, no PTX to compile at run
+time) for two targets: sm_80, which runs on every GPU of compute capability
+8.x (A100, A10, RTX 30xx, L4, L40, RTX 40xx, Jetson Orin), and sm_90a, which
+runs on 9.0 only (H100, H200, GH200). On any other GPU -- below 8.0 (V100,
+T4) or newer (10.x: B200, GB200, B300; 12.x: RTX 50xx, RTX PRO 6000, DGX
+Spark) -- the kernels' modules would fail to load at the first launch, so
+``api.select_backend`` routes such calls away before that: to XLA with
+``implementation=None``, to a NotImplementedError that names the GPU with
+``implementation="flash"`` or ``"gpu"``.
+
+Only the first GPU is looked at (as ``ffi.gpu_compute_capability`` does).
+"""
+
+import jax
+
+from jax_flash import ffi
+
+# The compiled targets, in words. Keep in step with the rule below and with
+# the architectures cmake/cuda_kernels.cmake exports (JF_FAMILY_ARCHS_*).
+_TARGETS = "compute capability 8.x (sm_80) and 9.0 (sm_90a)"
+
+
+def capability_unsupported_reason(capability: tuple[int, int], device_kind: str) -> str | None:
+  """Why the kernels cannot run on a GPU of this compute capability, or None."""
+  major, minor = capability
+  if major == 8 or capability == (9, 0):
+    return None
+  return (f"the GPU kernels are compiled for {_TARGETS}; {device_kind} has compute capability "
+          f"{major}.{minor}")
+
+
+def gpu_device_kind() -> str:
+  """The first GPU's name as JAX reports it, e.g. "NVIDIA H100 80GB HBM3"."""
+  return jax.devices("gpu")[0].device_kind
+
+
+def gpu_unavailable_reason() -> str | None:
+  """Why calls cannot run on the GPU kernels here, or None if they can."""
+  if not ffi.cuda_kernels_available():
+    return ("this installation holds no CUDA kernels (it was built with JAX_FLASH_CUDA=OFF or on "
+            "a platform other than Linux x86-64)")
+  capability = ffi.gpu_compute_capability()
+  if capability is None:
+    return "no CUDA GPU is visible to JAX"
+  return capability_unsupported_reason(capability, gpu_device_kind())
