@@ -16,6 +16,13 @@ def gpu_unavailable_reason() -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
+  # The quick suite by default: the long CPU sweeps run only when asked for
+  # (`-m slow`, or any other -m expression, which then decides alone).
+  if not config.getoption("markexpr"):
+    slow = [item for item in items if "slow" in item.keywords]
+    if slow:
+      config.hook.pytest_deselected(items=slow)
+      items[:] = [item for item in items if "slow" not in item.keywords]
   reason = gpu_unavailable_reason()
   if reason is None:
     return
