@@ -1,15 +1,15 @@
 """jax_flash against cuDNN, JAX's Pallas Mosaic GPU attention and XLA, in one process on one GPU.
 
-    python benchmarks/bench_attention.py --out benchmarks/results/h100-2026-11-30.json \
-        --plot sweep_bf16.png
+    python benchmarks/bench_attention.py --out gpu_out/bench.json --plot sweep_bf16.png
     python benchmarks/bench_attention.py --dtype float16 --head-dims 128   # with Pallas
 
 The default sweep is issue 3's grid: head dims 64, 128, 256 x sequence lengths
 1k to 32k x causal and not. Every configuration keeps ``--tokens`` tokens per
 batch (batch = tokens / seq) and ``--heads`` heads, and every implementation
 gets the same inputs. Prints TFLOPS, the ratio to cuDNN and the fraction of a
-matmul ceiling (in ``--dtype``) measured in the same run; appends DESIGN.md §8
-rows to ``--out``; ``--plot`` draws them (``benchmarks/plot_results.py``).
+matmul ceiling (in ``--dtype``) measured in the same run; appends result rows
+(docs/numerics.md) to ``--out``, which ``benchmarks/add_run.py`` files as a run
+in benchmarks/results/; ``--plot`` draws them (``benchmarks/plot_results.py``).
 Pallas Mosaic GPU (``pallas_mgpu``) runs in float16 on Hopper only. Unless
 ``--iters`` is given, the forward and the forward + backward timings each last
 about a quarter second, so a measurement takes about a second with compiling.

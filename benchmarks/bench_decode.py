@@ -2,7 +2,7 @@
 packed into one tile, keys split into chunks: head_packing.py, kv_split.py),
 the same kernels with neither, cuDNN and XLA, in one process on one GPU.
 
-    python benchmarks/bench_decode.py --out benchmarks/results/h100-DATE.json
+    python benchmarks/bench_decode.py --out gpu_out/bench.json
 
 Each configuration is ``--batch`` sequences of one new query against
 ``seq_k`` keys (causal: the query sees them all, so the anchors run

@@ -1,6 +1,6 @@
 """Sharded attention on all N >= 2 GPUs of one host against one GPU, in one process.
 
-    python benchmarks/bench_sharded.py --out benchmarks/results/h200x4-2026-11-30.json
+    python benchmarks/bench_sharded.py --out gpu_out/sharded.json
 
 Three measurements, each against a baseline timed on GPU 0 in the same run:
 
@@ -17,7 +17,7 @@ dp and tp are weak scaling: every GPU holds the baseline's problem (batch 2,
 ``--heads`` heads, ``--dp-seq``, not causal), so ``scaling_vs_1gpu`` is the
 per-GPU throughput ratio ``tflops_N / (N * tflops_1)`` (ideal: 1).
 
-Head dim 128, bfloat16. Rows follow DESIGN.md §8 and are appended to
+Head dim 128, bfloat16. Rows follow docs/numerics.md and are appended to
 ``--out``: shapes are the global ones and TFLOPS add up all GPUs. Causal
 forward FLOPs are ``2 B H S^2 D``; the backward counts 2.5x the forward and
 is timed as (forward + backward) - forward. Ring rows have ``op`` "ring" /
@@ -94,7 +94,7 @@ def failure(name: str, error: Exception) -> None:
 
 def result_rows(config, result, ceiling, variant: str, ops: dict, num_gpus: int,
                 scaling: dict, extra: dict | None = None) -> list:
-  """§8 rows of one measurement; ``ops`` renames benchmark.rows' "fwd" /
+  """Result rows of one measurement; ``ops`` renames benchmark.rows' "fwd" /
   "bwd", ``scaling`` holds scaling_vs_1gpu per direction."""
   rows = []
   for row in benchmark.rows("jax_flash", config, result, ceiling, variant):

@@ -1,4 +1,4 @@
-"""The tolerance principle of DESIGN.md §6, shared by every test.
+"""The tolerance principle (docs/numerics.md), shared by every test.
 
 A kernel's error against a float64 reference must be at most twice the error
 of a naive implementation computed in the input dtype, plus one unit of
