@@ -1,8 +1,11 @@
-"""python -m jax_flash: check the kernels on this machine, then time them.
+"""python -m jax_flash: which kernels serve this device, a check of them, a short benchmark.
 
-Checks forward and backward of the default backend against a float32
-reference on a few awkward shapes, then prints a short benchmark table of
-jax_flash beside the other implementations JAX offers on this device.
+Says which of jax_flash's kernels this installation holds (built) and which
+of them can run here (usable: the GPU kernels need a CUDA GPU of compute
+capability 8.0 or newer that JAX sees), and which serve the default device.
+Then checks forward and backward of those kernels against the float32 XLA
+path on a few awkward shapes, and prints a short table of jax_flash beside
+the other implementations JAX offers on this device.
 """
 
 import argparse
@@ -13,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash
-from jax_flash import benchmark, reference
+from jax_flash import api, benchmark, configs, ffi
 
 from tqdm import tqdm
 
@@ -48,15 +51,39 @@ def check(dtype) -> list[str]:
   return failures
 
 
+def kernel_report() -> tuple[list[str], bool]:
+  """Lines saying which kernels are built and usable and what serves the
+  default device; and whether jax_flash's kernels serve it."""
+  device = jax.devices()[0]
+  gpu_reason = api._gpu_unavailable_reason()
+  capability = ffi.gpu_compute_capability()
+  gpu_built = "built" if ffi.cuda_kernels_available() else "not built (no nvcc at install)"
+  gpu_usable = (f"usable (compute capability {capability[0]}.{capability[1]})"
+                if gpu_reason is None else f"not usable: {gpu_reason}")
+  cpu = configs.BACKENDS["cpu"]
+  lines = [
+      f"jax_flash {jax_flash.__version__}, jax {jax.__version__}, default device: "
+      f"{device.platform} ({device.device_kind})",
+      f"  CPU kernels: built, usable ({', '.join(d.name for d in cpu.dtypes)})",
+      f"  GPU kernels: {gpu_built}, {gpu_usable}",
+  ]
+  served = device.platform == "cpu" or (device.platform == "gpu" and gpu_reason is None)
+  serving = (f"jax_flash {device.platform.upper()} kernels" if served
+             else "XLA: jax_flash has no usable kernels for this device")
+  lines.append(f"  serving the default device: {serving}")
+  return lines, served
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m jax_flash", description=__doc__.splitlines()[0])
   parser.add_argument("--no-bench", action="store_true", help="only run the correctness checks")
   args = parser.parse_args(argv)
 
-  device = jax.devices()[0]
-  print(f"jax_flash {jax_flash.__version__} | jax {jax.__version__} | {device.platform}: "
-        f"{device.device_kind} | CUDA kernels built: {jax_flash.cuda_kernels_available()}")
-  on_gpu = device.platform == "gpu"
+  lines, served = kernel_report()
+  print("\n".join(lines))
+  if not served:
+    return 1
+  on_gpu = jax.devices()[0].platform == "gpu"
   dtypes = (jnp.bfloat16, jnp.float16) if on_gpu else (jnp.float32, jnp.bfloat16)
   failures = [f for dtype in dtypes for f in check(dtype)]
   if failures:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_flash
+from jax_flash import __main__ as jax_flash_main
 from jax_flash import benchmark
 from jax_flash import configs as jax_flash_configs
 
@@ -448,3 +449,33 @@ def test_readme_table_ratios_and_medians(tmp_path):
   [line] = [line for line in text.splitlines() if line.startswith("| 64 |")]
   # cuDNN took twice jax_flash's time in every round: ratio 2 both ways.
   assert "(2.00 / 2.00)" in line and "deterministic" not in text
+
+
+def test_main_reports_the_kernels_that_serve_this_device():
+  lines, served = jax_flash_main.kernel_report()
+  text = "\n".join(lines)
+  assert "CPU kernels: built, usable" in text
+  if jax.default_backend() == "cpu":
+    assert served and "serving the default device: jax_flash CPU kernels" in text
+    assert "GPU kernels:" in text and "not usable" in text
+
+
+def test_main_checks_the_kernels_and_prints_one_table(monkeypatch, capsys):
+  # One small shape and fake timings: the real ones are `python -m jax_flash`'s job.
+  monkeypatch.setattr(jax_flash_main, "CHECKS", [(1, 17, 33, 4, 2, 64, True)])
+  monkeypatch.setattr(benchmark, "measure", lambda impl, config, iters: fake_result(
+      config=config, fwd_ms=1.0 if impl == "jax_flash" else 2.0))
+  assert jax_flash_main.main([]) == 0
+  out = capsys.readouterr().out
+  assert "correctness: forward and backward match the float32 reference" in out
+  table = [line for line in out.splitlines() if line.startswith("B")]
+  assert len(table) == 4 and all(line.split()[-2] in ("2.00", "1.00") for line in table), out
+
+
+def test_main_fails_on_a_kernel_error(monkeypatch, capsys):
+  monkeypatch.setattr(jax_flash_main, "CHECKS", [(1, 17, 17, 2, 2, 64, False)])
+  real = jax_flash.attention
+  wrong = lambda q, k, v, **kw: real(q, k, v, **kw) * (1.1 if kw["implementation"] == "flash" else 1)
+  monkeypatch.setattr(jax_flash, "attention", wrong)
+  assert jax_flash_main.main(["--no-bench"]) == 1
+  assert "FAILED" in capsys.readouterr().out
