@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: build jax_flash from kernels exported ahead of
-# time on another machine, check it, run the GPU tests, benchmark.
+# One call on a GPU machine: install jax_flash built on another machine --
+# from a wheel, or built here from kernels exported ahead of time there --
+# check it, run the GPU tests, benchmark.
 #
+#   bash scripts/gpu_check.sh WHEELS [tests|bench|all|none]
 #   bash scripts/gpu_check.sh AOT_DIR [tests|bench|all|none]
+#
+# WHEELS: a jax_flash wheel or a folder of them (scripts/build_wheel.sh makes
+# one per CPython ABI; scripts/prepare_gpu_run.sh --wheel carries them in
+# .gpu/wheels). pip installs the one for this Python, without building and
+# without dependencies (the machine has jax); the commands below then run
+# with PYTHONSAFEPATH=1, so that the source tree's jax_flash/ does not shadow
+# the installed package.
 #
 # The GPU tests take about 720 s with 14 workers (H100, 2026-11-27: 442 s and
 # 282 s for the two halves below), more than a 600 s call: TESTS_K="EXPR"
@@ -13,9 +22,11 @@
 #
 # AOT_DIR holds what CMake's AOT step made (the lib<family>_<arch>.a archives,
 # their header folders) plus libcuda_dialect_runtime_static.a; make it with
-# scripts/prepare_gpu_run.sh. Logs and results go to $OUT (default ./gpu_out).
+# scripts/prepare_gpu_run.sh. It is linked against this machine's CUDA
+# toolkit (JAX_FLASH_CUDA_TOOLKIT=SYSTEM). Logs and results go to $OUT
+# (default ./gpu_out).
 set -uo pipefail
-AOT_DIR=$(realpath "${1:?usage: gpu_check.sh AOT_DIR [tests|bench|all]}")
+SOURCE=$(realpath "${1:?usage: gpu_check.sh WHEELS|AOT_DIR [tests|bench|all|none]}")
 STAGE=${2:-all}
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -24,10 +35,21 @@ PYTHON=${PYTHON:-python3}
 
 step() { echo "== $* ($(date +%T))"; }
 
-if ! "$PYTHON" -c "import jax_flash; assert jax_flash.cuda_kernels_available()" 2>/dev/null; then
+if [[ $SOURCE == *.whl ]] || compgen -G "$SOURCE/jax_flash-*.whl" >/dev/null; then
+  step "install the wheel ($SOURCE)"
+  if [[ $SOURCE == *.whl ]]; then wheel=("$SOURCE"); else wheel=(--no-index --find-links "$SOURCE" jax_flash); fi
+  if ! "$PYTHON" -m pip install --no-deps --force-reinstall "${wheel[@]}" >"$OUT/install.log" 2>&1; then
+    tail -20 "$OUT/install.log"
+    exit 1
+  fi
+  export PYTHONSAFEPATH=1
+  "$PYTHON" -c "import jax_flash; assert jax_flash.cuda_kernels_available(), 'no CUDA kernels'; print('installed', jax_flash.__file__)" || exit 1
+elif ! "$PYTHON" -c "import jax_flash; assert jax_flash.cuda_kernels_available()" 2>/dev/null; then
+  AOT_DIR=$SOURCE
   step "build (prebuilt kernels from $AOT_DIR)"
   if ! "$PYTHON" -m pip install --no-build-isolation --no-deps --no-index -e . \
       -Ccmake.define.JAX_FLASH_CUDA=ON -Ccmake.define.JAX_FLASH_AOT_DIR="$AOT_DIR" \
+      -Ccmake.define.JAX_FLASH_CUDA_TOOLKIT=SYSTEM \
       -Cbuild-dir=/tmp/jax_flash_build >"$OUT/build.log" 2>&1; then
     tail -40 "$OUT/build.log"
     exit 1
