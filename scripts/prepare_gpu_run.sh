@@ -4,14 +4,14 @@
 #
 #   bash scripts/prepare_gpu_run.sh                AOT archives of the local build
 #                                                  -> .gpu/aot     (gpu_check.sh .gpu/aot)
-#   bash scripts/prepare_gpu_run.sh --wheel [DIST] the wheels of DIST (default dist,
+#   bash scripts/prepare_gpu_run.sh --wheel [DIST] the wheels of DIST (default build/wheels,
 #                                                  made by scripts/build_wheel.sh)
 #                                                  -> .gpu/wheels  (gpu_check.sh .gpu/wheels)
 # The first empties .gpu, the second replaces .gpu/wheels only: for both, in that order.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ ${1:-} == --wheel ]]; then
-  dist=${2:-dist}
+  dist=${2:-build/wheels}
   compgen -G "$dist/jax_flash-*.whl" >/dev/null || {
     echo "prepare_gpu_run.sh: no jax_flash wheel in $dist; run scripts/build_wheel.sh $dist" >&2
     exit 1
