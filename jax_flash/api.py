@@ -1,10 +1,12 @@
 """The public attention functions."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import configs, ffi, reference, segments, validation, vjp
+from jax_flash import _gpu_support, configs, ffi, reference, segments, validation, vjp
 
 
 def _platform_of(*arrays) -> str:
@@ -19,19 +21,14 @@ def _platform_of(*arrays) -> str:
   return jax.default_backend()
 
 
-def _gpu_unavailable_reason() -> str | None:
-  if not ffi.cuda_kernels_available():
-    return "this installation holds no CUDA kernels (it was built without nvcc)"
-  capability = ffi.gpu_compute_capability()
-  if capability is None:
-    return "no CUDA GPU is visible to JAX"
-  if capability < (8, 0):
-    return f"the GPU kernels need compute capability >= 8.0, got {capability[0]}.{capability[1]}"
-  return None
+# Why calls cannot run on the GPU kernels here (no library, no GPU, a GPU
+# the compiled kernels do not cover), or None.
+_gpu_unavailable_reason = _gpu_support.gpu_unavailable_reason
 
 
 def select_backend(implementation, platform: str, dtype, shapes: validation.Shapes) -> str:
-  """Returns "cpu", "gpu" or "xla" for a call; see ``attention``."""
+  """Returns "cpu", "gpu" or "xla" for a call running on ``platform`` (a JAX
+  device platform); see ``attention``."""
   if implementation == "xla":
     return "xla"
   requested = implementation if implementation in ("cpu", "gpu") else platform
@@ -49,13 +46,49 @@ def select_backend(implementation, platform: str, dtype, shapes: validation.Shap
   raise NotImplementedError(f"implementation={implementation!r}: {reason}")
 
 
+def _lowering_reason(backend: str, dtype, shapes: validation.Shapes) -> str | None:
+  """Why the ``backend`` kernels cannot serve a computation lowered for their
+  platform, or None. The GPU kernels' presence decides only where this
+  process runs CUDA: exported for CUDA elsewhere, a module names them and
+  the serving host supplies them."""
+  reason = configs.BACKENDS[backend].unsupported_reason(dtype, shapes.head_dim, shapes.head_dim_v)
+  if reason is None and backend == "gpu" and ffi.gpu_compute_capability() is not None:
+    reason = _gpu_unavailable_reason()
+  return reason
+
+
+def _per_platform(implementation, call: ffi.KernelCall, dtype, shapes) -> ffi.PerPlatform | None:
+  """The kernel call for each lowering platform (ffi.PerPlatform) under
+  ``implementation`` None or "flash"; None where none would run a kernel."""
+  entries = {}
+  for platform, backend in (("cpu", "cpu"), ("cuda", "gpu")):
+    reason = _lowering_reason(backend, dtype, shapes)
+    if reason is None:
+      entries[platform] = dataclasses.replace(call, backend=backend)
+    elif implementation is None:
+      entries[platform] = dataclasses.replace(call, backend="xla")
+    else:
+      entries[platform] = f"implementation={implementation!r}: {reason}"
+  if all(isinstance(e, ffi.KernelCall) and e.backend == "xla" for e in entries.values()):
+    return None
+  other = (dataclasses.replace(call, backend="xla") if implementation is None else
+           f"implementation={implementation!r}: jax_flash has kernels for CPU and CUDA only")
+  return ffi.PerPlatform(cpu=entries["cpu"], cuda=entries["cuda"], other=other)
+
+
 def _attention(q, k, v, shapes, *, scale, diag_offset, window_left, window_right, q_lens,
                kv_lens, implementation, segment_ids=(None, None), softcap=0.0,
                deterministic=False):
-  backend = select_backend(implementation, _platform_of(q, k, v), jnp.result_type(q), shapes)
-  empty = 0 in (shapes.batch, shapes.seq_q, shapes.seq_k, shapes.heads_q)
+  dtype = jnp.result_type(q)
+  # Raises here, while tracing, what the platform of the inputs cannot serve.
+  local = select_backend(implementation, _platform_of(q, k, v), dtype, shapes)
+  call = ffi.KernelCall(backend=local, scale=scale, diag_offset=diag_offset,
+                        window_left=window_left, window_right=window_right, softcap=softcap,
+                        deterministic=deterministic)
+  if implementation in (None, "flash"):
+    call = _per_platform(implementation, call, dtype, shapes) or call
   q_segment_ids, kv_segment_ids = segment_ids
-  if backend == "xla" or empty:
+  if 0 in (shapes.batch, shapes.seq_q, shapes.seq_k, shapes.heads_q):
     return reference.attention_reference(
         q, k, v, scale=scale, diag_offset=diag_offset, window_left=window_left,
         window_right=window_right, q_lens=q_lens, kv_lens=kv_lens,
@@ -66,15 +99,12 @@ def _attention(q, k, v, shapes, *, scale, diag_offset, window_left, window_right
     kv_lens = _whole_lengths(shapes.batch, shapes.seq_k)
   if q_segment_ids is None:
     segment_operands = ffi.no_segments(q)
+  elif isinstance(call, ffi.KernelCall) and call.backend == "xla":  # no kernel skips tiles
+    segment_operands = (q_segment_ids, kv_segment_ids, *ffi.no_segments(q)[:2])
   else:
     bounds = segments.segment_bounds(q_segment_ids, kv_segment_ids)
     segment_operands = ffi.segment_operands(q_segment_ids, kv_segment_ids, *bounds)
-  call = ffi.KernelCall(backend=backend, scale=scale, diag_offset=diag_offset,
-                        window_left=window_left, window_right=window_right, softcap=softcap,
-                        deterministic=deterministic)
-  v, unpad = pad_value_head_dim(backend, v, shapes, forward_only=True)
-  out, lse = vjp.flash_attention(q, k, v, q_lens, kv_lens, *segment_operands, call)
-  return unpad(out), lse
+  return vjp.flash_attention(q, k, v, q_lens, kv_lens, *segment_operands, call)
 
 
 def _whole_lengths(batch: int, seq: int) -> np.ndarray:
@@ -83,20 +113,9 @@ def _whole_lengths(batch: int, seq: int) -> np.ndarray:
   array a constant of the executable; one value repeated, XLA turns it into
   a broadcast, a kernel launched on every call (H100, 16 heads, 16k tokens,
   seq 1024: 1.0-3.6 us, 0.5-1.6% of the forward)."""
+  if seq + batch > np.iinfo(np.int32).max:  # past int32: no executable this large runs anyway
+    return np.full(batch, seq, np.int32)
   return np.arange(seq, seq + batch, dtype=np.int32)
-
-
-def pad_value_head_dim(backend: str, v, shapes: validation.Shapes, forward_only: bool = False):
-  """(v as the ``backend`` kernels take it, the function that turns their
-  output back into ``head_dim_v`` columns); see configs.BackendSupport.
-  ``forward_only``: V as the forward kernel takes it (the backward pads for
-  itself where its kernels need it: vjp.py)."""
-  hopper = forward_only and backend == "gpu" and (ffi.gpu_compute_capability() or (0,))[0] == 9
-  padding = configs.BACKENDS[backend].value_padding(shapes.head_dim, shapes.head_dim_v, hopper)
-  if not padding:
-    return v, lambda out: out
-  v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, padding)])
-  return v, lambda out: out[..., :shapes.head_dim_v]
 
 
 def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None = None,
@@ -151,7 +170,8 @@ def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None
   shapes = validation.check_qkv(q, k, v)
   scale = validation.check_scale(scale, shapes.head_dim)
   window_left, window_right = validation.check_window(window, "window")
-  if causal:
+  return_lse = validation.check_flag(return_lse, "return_lse")
+  if validation.check_flag(causal, "causal"):
     window_right = 0 if window_right < 0 else min(window_right, 0)
   out, lse = _attention(
       q, k, v, shapes, scale=scale, diag_offset=shapes.seq_k - shapes.seq_q,
@@ -183,10 +203,16 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal: bool =
       ``q`` (self-attention, the only case where ``causal``/``window`` apply:
       each document is then causal on its own).
 
+  The offsets are checked (start at 0, never decrease, end within the packed
+  tokens) only where they are concrete, that is outside ``jit``; under
+  ``jit`` offsets that break these rules are not detected and give
+  meaningless results, so check them in the data pipeline.
+
   ``softcap`` and ``deterministic`` are those of ``attention``. Returns
   ``out [total_q, heads_q, head_dim_v]`` (and ``lse [heads_q, total_q]``),
   differentiable like ``attention``.
   """
+  validation.check_flag(causal, "causal")
   for name, x in (("q", q), ("k", k), ("v", v)):
     if jnp.ndim(x) != 3:
       raise ValueError(f"{name} must have rank 3 [total_tokens, heads, head_dim], got shape "
@@ -224,13 +250,16 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   ``None``, ``"flash"``, ``"xla"`` and ``"cudnn"``: ``"xla"`` and ``"cudnn"``
   call ``jax.nn.dot_product_attention`` with that implementation; ``"flash"``
   runs jax_flash's kernels and raises ``NotImplementedError`` for what they do
-  not cover (``bias``, ``mask``, unsupported dtypes or head dims); ``None``
-  runs the kernels where they apply and ``jax.nn``'s XLA path elsewhere.
+  not cover (``bias``, ``mask``, a ``scale`` traced under ``jit``,
+  unsupported dtypes or head dims); ``None`` runs the kernels where they
+  apply and ``jax.nn``'s XLA path elsewhere.
 
   One difference from ``jax.nn``'s XLA path: a query row that the masks leave
   without any key outputs zeros (as cuDNN does), not the mean of ``value``.
   """
   validation.check_implementation(implementation, (None, "flash", "xla", "cudnn"))
+  is_causal = validation.check_flag(is_causal, "is_causal")
+  return_residual = validation.check_flag(return_residual, "return_residual")
   if implementation in ("xla", "cudnn"):
     return jax.nn.dot_product_attention(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
@@ -238,6 +267,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         local_window_size=local_window_size, implementation=implementation,
         return_residual=return_residual)
   unsupported = [name for name, x in (("bias", bias), ("mask", mask)) if x is not None]
+  if validation.is_traced(scale):  # the kernels take the scale as a static parameter
+    unsupported.append("a traced scale")
   if unsupported:
     if implementation == "flash":
       raise NotImplementedError(f"implementation='flash' does not support {unsupported[0]}; "

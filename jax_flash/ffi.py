@@ -22,10 +22,12 @@ import os
 import pathlib
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import mlir
 
-from jax_flash import _cpu_ffi, configs, head_packing, kv_split
+from jax_flash import _cpu_ffi, configs, head_packing, kv_split, reference
 
 _ABI_VERSION = "v2"
 # Versions whose handlers stay registered for serialized exports (v1: no
@@ -47,7 +49,7 @@ class KernelCall:
   window_right`` (if ``window_right >= 0``), within the sequence lengths.
   """
 
-  backend: str  # "cpu" or "gpu"
+  backend: str  # "cpu", "gpu" or "xla" (reference.py's composition behind the same interface)
   scale: float
   diag_offset: int
   window_left: int  # -1: unbounded
@@ -62,6 +64,30 @@ class KernelCall:
     if direction == "bwd":
       attrs["deterministic"] = np.int32(self.deterministic)
     return attrs
+
+  def mask(self) -> dict:
+    """The mask and logit arguments of reference.py's functions."""
+    return dict(scale=self.scale, diag_offset=self.diag_offset, window_left=self.window_left,
+                window_right=self.window_right, softcap=self.softcap)
+
+
+@dataclasses.dataclass(frozen=True)
+class PerPlatform:
+  """What serves one call on each platform it may be lowered for.
+
+  The kernels are chosen when the computation is lowered, not when it is
+  traced: ``jax.export`` lowers one trace for every platform it is asked
+  for, whatever devices the exporting host has (``lax.platform_dependent``
+  stages each branch; lowering keeps those of its platforms). ``cpu`` and
+  ``cuda`` hold the KernelCall that serves the problem there, or the reason
+  none may (``implementation="flash"``), which lowering for that platform
+  raises as NotImplementedError; other platforms get ``other``, the XLA
+  composition or a reason.
+  """
+
+  cpu: KernelCall | str
+  cuda: KernelCall | str
+  other: KernelCall | str
 
 
 def _target(backend: str, direction: str, version: str = _ABI_VERSION) -> str:
@@ -134,12 +160,111 @@ def segment_operands(q_segment_ids, kv_segment_ids, kv_bounds, q_bounds):
   return q_segment_ids, kv_segment_ids, flat(kv_bounds), flat(q_bounds)
 
 
-def forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call: KernelCall):
+def forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds,
+            call: KernelCall | PerPlatform):
   """Runs the forward kernel: returns (o [..., T, N, Hv], lse [..., N, T] f32).
 
   The four segment operands come from ``segment_operands`` or ``no_segments``.
   Short GQA problems run with their query heads packed (head_packing.py).
   """
+  args = (q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds)
+  if isinstance(call, KernelCall):
+    return _forward_on(*args, call)
+  *batch, seq_q, heads_q, _ = q.shape
+  out_types = (jax.ShapeDtypeStruct((*batch, seq_q, heads_q, v.shape[-1]), q.dtype),
+               jax.ShapeDtypeStruct((*batch, heads_q, seq_q), jnp.float32))
+  return _per_platform(_forward_on, call, out_types, args)
+
+
+def backward(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds,
+             call: KernelCall | PerPlatform):
+  """Runs the backward kernel: returns (dq f32, dk, dv)."""
+  args = (q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds)
+  if isinstance(call, KernelCall):
+    return _backward_on(*args, call)
+  out_types = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
+               jax.ShapeDtypeStruct(v.shape, v.dtype))
+  return _per_platform(_backward_on, call, out_types, args)
+
+
+def _varying_axes(x) -> frozenset:
+  """The manual mesh axes ``x`` varies over inside ``shard_map``."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def match_varying(outputs, inputs):
+  """Casts each array of ``outputs`` to vary over every manual mesh axis that
+  some array of ``inputs`` varies over. A kernel's result depends on all its
+  inputs, but an FFI call's abstract evaluation leaves it invariant."""
+  axes = frozenset().union(*(_varying_axes(x) for x in jax.tree.leaves(inputs)))
+  if not axes:
+    return outputs
+
+  def cast(x):
+    missing = tuple(sorted(axes - _varying_axes(x), key=str))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(cast, outputs)
+
+
+def _per_platform(run, call: PerPlatform, out_types, args):
+  """``run(*args, entry)`` with the entry of ``call`` for the lowering platform."""
+
+  def branch(entry):
+    # Inside shard_map every branch must give the same types, which match_varying makes so.
+    if isinstance(entry, KernelCall):
+      return lambda *a: match_varying(run(*a, entry), a)
+    return lambda *a: match_varying(tuple(_unsupported_p.bind(
+        *(jnp.zeros(t.shape, t.dtype) for t in out_types), reason=entry)), a)
+
+  return jax.lax.platform_dependent(*args, cpu=branch(call.cpu), cuda=branch(call.cuda),
+                                    default=branch(call.other))
+
+
+# Stands in for the kernel call on a platform that cannot serve it: the trace
+# holds every platform's branch, and only lowering for this one must fail.
+_unsupported_p = jax.extend.core.Primitive("jax_flash_unsupported")
+_unsupported_p.multiple_results = True
+_unsupported_p.def_abstract_eval(lambda *avals, reason: list(avals))
+
+
+def _raise_unsupported(ctx, *args, reason):
+  raise NotImplementedError(reason)
+
+
+mlir.register_lowering(_unsupported_p, _raise_unsupported)
+
+
+def _value_padding(q, v, q_ids, call: KernelCall, direction: str) -> int:
+  """Zero columns the ``call.backend`` kernels of ``direction`` need appended
+  to V (configs.BackendSupport.value_padding): Hopper's own kernels take some
+  narrower V as it is, its forward always, its backward where it serves."""
+  hopper = call.backend == "gpu" and (gpu_compute_capability() or (0,))[0] == 9
+  if direction == "bwd":
+    hopper = hopper and configs.sm90_backward_serves(
+        deterministic=call.deterministic, has_segments=q_ids.shape[-1] > 0,
+        softcap=call.softcap > 0, batch=math.prod(q.shape[:-3]), heads_kv=v.shape[-2])
+  return configs.BACKENDS[call.backend].value_padding(q.shape[-1], v.shape[-1], hopper)
+
+
+def _pad_last(x, padding: int):
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padding)]) if padding else x
+
+
+def _forward_on(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call: KernelCall):
+  if call.backend == "xla":
+    return reference.forward_like_kernels(q, k, v, q_lens, kv_lens, q_ids, kv_ids, **call.mask())
+  head_dim_v = v.shape[-1]
+  v = _pad_last(v, _value_padding(q, v, q_ids, call, "fwd"))
+  out, lse = _packed_forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call)
+  return out[..., :head_dim_v], lse
+
+
+def _packed_forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call):
   size = head_packing.group(q, k, call)
   if size > 1:
     q_lens, q_ids, kv_bounds, q_bounds = head_packing.pack_masks(q_lens, q_ids, kv_bounds,
@@ -171,9 +296,23 @@ def _forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call:
                 **call.attributes("fwd"))
 
 
-def backward(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds,
-             call: KernelCall):
-  """Runs the backward kernel: returns (dq f32, dk, dv)."""
+def _backward_on(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds,
+                 call: KernelCall):
+  if call.backend == "xla":
+    return reference.backward_like_kernels(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids,
+                                           kv_ids, **call.mask())
+  # Zero columns of V and dout change neither dP nor dQ / dK; their dV
+  # columns are cut off.
+  head_dim_v = v.shape[-1]
+  padding = _value_padding(q, v, q_ids, call, "bwd")
+  v, dout = _pad_last(v, padding), _pad_last(dout, padding)
+  dq, dk, dv = _packed_backward(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids,
+                                kv_bounds, q_bounds, call)
+  return dq, dk, dv[..., :head_dim_v]
+
+
+def _packed_backward(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_bounds,
+                     q_bounds, call: KernelCall):
   size = head_packing.group(q, k, call)
   if size > 1:
     q_lens, q_ids, kv_bounds, q_bounds = head_packing.pack_masks(q_lens, q_ids, kv_bounds,

@@ -489,9 +489,7 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, window=None,
                softcap=validation.check_softcap(softcap),
                deterministic=validation.check_flag(deterministic, "deterministic"))
   segment_ids = None if q_segments is None else (q_segments, kv_segments)
-  v, unpad = api.pad_value_head_dim(backend, v, shapes)
   out, lse = _ring_attention(q, k, v, segment_ids, ring)
-  out = unpad(out)
   return (out, lse) if return_lse else out
 
 

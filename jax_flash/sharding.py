@@ -37,28 +37,8 @@ from jax_flash import ffi
 _LEADING = "b"  # factor name prefix for the batch dims (more than one under vmap)
 
 
-def _varying_axes(x) -> frozenset:
-  """The manual mesh axes ``x`` varies over inside ``shard_map``."""
-  aval = jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)
-  if manual is not None:
-    return frozenset(manual.varying)
-  return frozenset(getattr(aval, "vma", ()))
-
-
-def match_varying(outputs, inputs):
-  """Casts each array of ``outputs`` to vary over every manual mesh axis that
-  some array of ``inputs`` varies over. A kernel's result depends on all its
-  inputs, but an FFI call's abstract evaluation leaves it invariant."""
-  axes = frozenset().union(*(_varying_axes(x) for x in jax.tree.leaves(inputs)))
-  if not axes:
-    return outputs
-
-  def cast(x):
-    missing = tuple(sorted(axes - _varying_axes(x), key=str))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-  return jax.tree.map(cast, outputs)
+# Re-exported for ring.py, which casts its merged results the same way.
+match_varying = ffi.match_varying
 
 
 def _spec(sharding, ndim: int) -> tuple:
@@ -197,13 +177,17 @@ def _sharded(fn, cotangents: bool):
     if explicit is None:
       return match_varying(for_call(call)(*arrays), arrays)
     mesh, spec_of = explicit
-    out_shapes = jax.eval_shape(for_call(call), *arrays)
+    # Only the outputs' ranks matter here: shapes without the shardings.
+    out_shapes = jax.eval_shape(for_call(call),
+                                *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays))
     kernel = jax.shard_map(lambda *a: match_varying(for_call(call)(*a), a), mesh=mesh,
                            in_specs=tuple(map(spec_of, arrays)),
                            out_specs=tuple(map(spec_of, out_shapes)))
-    outputs = kernel(*(jax.sharding.reshard(x, spec_of(x)) for x in arrays))
+    # NamedShardings, not bare specs: a spec needs a mesh context
+    # (jax.set_mesh), which a jit over explicitly sharded arrays may lack.
+    outputs = kernel(*(jax.sharding.reshard(x, NamedSharding(mesh, spec_of(x))) for x in arrays))
     if cotangents:
-      outputs = tuple(jax.sharding.reshard(g, jax.typeof(x).sharding.spec)
+      outputs = tuple(jax.sharding.reshard(g, jax.typeof(x).sharding)
                       for g, x in zip(outputs, arrays))
     return outputs
 

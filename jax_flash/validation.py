@@ -4,11 +4,17 @@ and the actual value. ``ValueError`` is a caller mistake;
 
 import dataclasses
 import math
+import numbers
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 IMPLEMENTATIONS = (None, "flash", "cpu", "gpu", "xla")
+# The kernels index sequences and windows with int32.
+INT32_LIMIT = 2**31
+# Input dtypes some backend serves; XLA's composition covers all of them.
+DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +41,15 @@ def check_qkv(q, k, v) -> Shapes:
     dtype = jnp.result_type(x)
     if not jnp.issubdtype(dtype, jnp.floating):
       raise ValueError(f"{name} must have a floating dtype, got {dtype}")
+    if dtype not in DTYPES:
+      names = ", ".join(jnp.dtype(d).name for d in DTYPES)
+      raise NotImplementedError(f"jax_flash takes {names} inputs, got {name} {dtype}; cast q, k "
+                                "and v to one of them")
+    if not all(isinstance(d, int) for d in _shape(x)):
+      raise NotImplementedError(
+          f"jax_flash needs static shapes (the kernels' masks and launch shapes are fixed when "
+          f"lowering), got {name} shape {_shape(x)} with symbolic dimensions; export one module "
+          "per shape")
   if not jnp.result_type(q) == jnp.result_type(k) == jnp.result_type(v):
     raise ValueError("q, k and v must share one dtype, got "
                      f"q {jnp.result_type(q)}, k {jnp.result_type(k)}, v {jnp.result_type(v)}")
@@ -52,17 +67,36 @@ def check_qkv(q, k, v) -> Shapes:
   if heads_kv == 0 or heads_q % heads_kv:
     raise ValueError(f"heads_q must be a multiple of heads_kv: got heads_q={heads_q}, "
                      f"heads_kv={heads_kv}")
+  for label, dim in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+    if dim == 0:
+      raise ValueError(f"{label} must be at least 1, got 0")
+  for label, dim in (("batch", batch), ("seq_q", seq_q), ("seq_k", seq_k)):
+    if dim >= INT32_LIMIT:
+      raise ValueError(f"{label} must be below 2**31 (the kernels index with int32), got {dim}")
   return Shapes(batch, seq_q, seq_k, heads_q, heads_kv, head_dim, head_dim_v)
+
+
+def is_traced(x) -> bool:
+  return isinstance(x, jax.core.Tracer)
+
+
+def _static_number(value, name: str, expected: str) -> float:
+  """``value`` as a float: a Python or NumPy real number, or a concrete
+  scalar array; no strings or bools, no traced values."""
+  if is_traced(value):
+    raise ValueError(f"{name} must be {expected}, got a traced value (it is a static kernel "
+                     "parameter: pass it outside jit or as a static argument)")
+  if isinstance(value, (bool, np.bool_)) or not (
+      isinstance(value, numbers.Real) or (hasattr(value, "dtype") and np.ndim(value) == 0
+                                          and jnp.issubdtype(value.dtype, jnp.number))):
+    raise ValueError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+  return float(value)
 
 
 def check_scale(scale, head_dim: int) -> float:
   if scale is None:
-    return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
-  try:
-    value = float(scale)
-  except TypeError:
-    raise ValueError(f"scale must be a Python number (it is a static kernel parameter), "
-                     f"got {type(scale).__name__}") from None
+    return 1.0 / math.sqrt(head_dim)
+  value = _static_number(scale, "scale", "None or a Python number")
   if not math.isfinite(value):
     raise ValueError(f"scale must be finite, got {value}")
   return value
@@ -72,11 +106,7 @@ def check_softcap(softcap) -> float:
   """0.0 for no cap, else the positive finite cap."""
   if softcap is None:
     return 0.0
-  try:
-    value = float(softcap)
-  except TypeError:
-    raise ValueError(f"softcap must be None or a Python number (it is a static kernel "
-                     f"parameter), got {type(softcap).__name__}") from None
+  value = _static_number(softcap, "softcap", "None or a Python number")
   if not (math.isfinite(value) and value > 0):
     raise ValueError(f"softcap must be None or a finite number > 0, got {value}")
   return value
@@ -84,32 +114,41 @@ def check_softcap(softcap) -> float:
 
 def check_flag(value, name: str) -> bool:
   if not isinstance(value, (bool, np.bool_)):
-    raise ValueError(f"{name} must be a bool, got {value!r}")
+    raise ValueError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
   return bool(value)
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def check_window(window, name: str) -> tuple[int, int]:
   """(left, right) with -1 for an unbounded side; accepts None entries."""
   if window is None:
     return -1, -1
-  if isinstance(window, int):
+  if _is_int(window):
     window = (window, window)
   if not isinstance(window, (tuple, list)) or len(window) != 2:
     raise ValueError(f"{name} must be None, an int or a (left, right) pair, got {window!r}")
   sides = []
   for side, size in zip(("left", "right"), window):
-    if size is None or size == -1:
+    if size is None or (_is_int(size) and size == -1):
       sides.append(-1)
-    elif isinstance(size, (int, np.integer)) and size >= 0:
+    elif _is_int(size) and 0 <= size < INT32_LIMIT:
       sides.append(int(size))
     else:
-      raise ValueError(f"{name} {side} size must be a non-negative int or None, got {size!r}")
+      raise ValueError(f"{name} {side} size must be None or an int in [0, 2**31), got {size!r}")
   return sides[0], sides[1]
 
 
 def check_lengths(lengths, name: str, batch: int):
   if lengths is None:
     return None
+  if not isinstance(lengths, jax.Array):
+    values = np.asarray(lengths)
+    if values.dtype.kind in "iu" and values.size and not (
+        np.all(values >= -INT32_LIMIT) and np.all(values < INT32_LIMIT)):
+      raise ValueError(f"{name} must hold int32 values (below 2**31), got {values.tolist()}")
   lengths = jnp.asarray(lengths)
   if lengths.shape != (batch,):
     raise ValueError(f"{name} must have shape ({batch},), got {lengths.shape}")

@@ -3,25 +3,64 @@ with ``jax.custom_vjp``. The forward saves (q, k, v, out, lse); the backward
 recomputes the probabilities tile by tile in its own kernel."""
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 
-from jax_flash import configs, ffi, sharding
+from jax_flash import ffi, sharding
+
+_SECOND_ORDER = (
+    "jax_flash: second-order gradients (the gradient of a gradient, Hessians) of attention "
+    "are not supported: the backward kernel has no derivative of its own. Use "
+    "implementation='xla' for them.")
+
+
+def _first_order_only(kernel):
+  """``kernel(*arrays, call)`` that raises a clear NotImplementedError when
+  differentiated (which only a second-order gradient does: the custom_vjp
+  below differentiates the kernels by hand)."""
+
+  @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+  def run(call, *arrays):
+    return kernel(*arrays, call)
+
+  @run.defjvp
+  def _jvp(call, primals, tangents):
+    raise NotImplementedError(_SECOND_ORDER)
+
+  return lambda *args: run(args[-1], *args[:-1])
+
+
+def _runs_kernels(call) -> bool:
+  """Whether ``call`` may run a kernel; one that runs plain XLA everywhere
+  stays out of the sharding machinery (XLA partitions its operations
+  itself) and may be differentiated again."""
+  return not (isinstance(call, ffi.KernelCall) and call.backend == "xla")
+
+
+_kernel_forward = _first_order_only(sharding.forward)
+_kernel_backward = _first_order_only(sharding.backward)
+
+
+def _run_forward(*args):
+  return (_kernel_forward if _runs_kernels(args[-1]) else ffi.forward)(*args)
+
+
+def _run_backward(*args):
+  return (_kernel_backward if _runs_kernels(args[-1]) else ffi.backward)(*args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
 def flash_attention(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds,
-                    call: ffi.KernelCall):
-  """Returns (out, lse) from the kernels of ``call.backend``; the integer
+                    call: ffi.KernelCall | ffi.PerPlatform):
+  """Returns (out, lse) from the kernels ``call`` names; the integer
   operands are those of ``ffi.forward``."""
-  return sharding.forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call)
+  return _run_forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call)
 
 
 def _forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call):
   masks = (q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds)
-  out, lse = sharding.forward(q, k, v, *masks, call)
+  out, lse = _run_forward(q, k, v, *masks, call)
   return (out, lse), (q, k, v, out, lse, masks)
 
 
@@ -30,22 +69,11 @@ def _backward(call, residuals, cotangents):
   dout, dlse = cotangents
   # d(lse)/d(scores) is the probability row, so an lse cotangent folds into
   # the same correction term as rowsum(dout * out).
-  delta = jnp.einsum("...tnh,...tnh->...nt", dout.astype(jnp.float32), out.astype(jnp.float32))
-  delta = delta - dlse.astype(jnp.float32)
-  # A forward that took V narrower than the backward kernels do (configs:
-  # native_value_dims): zero columns of V and dout change neither dP nor
-  # dQ / dK, and their dV columns are cut off.
-  head_dim_v = v.shape[-1]
-  hopper = call.backend == "gpu" and (ffi.gpu_compute_capability() or (0,))[0] == 9
-  hopper = hopper and configs.sm90_backward_serves(
-      deterministic=call.deterministic, has_segments=masks[2].shape[-1] > 0,
-      softcap=call.softcap > 0, batch=math.prod(q.shape[:-3]), heads_kv=k.shape[-2])
-  padding = configs.BACKENDS[call.backend].value_padding(q.shape[-1], head_dim_v, hopper)
-  if padding:
-    widen = [(0, 0)] * (v.ndim - 1) + [(0, padding)]
-    v, dout = jnp.pad(v, widen), jnp.pad(dout, widen)
-  dq, dk, dv = sharding.backward(q, k, v, dout.astype(q.dtype), lse, delta, *masks, call)
-  return (dq.astype(q.dtype), dk, dv[..., :head_dim_v]) + (None,) * len(masks)
+  acc = lse.dtype
+  delta = jnp.einsum("...tnh,...tnh->...nt", dout.astype(acc), out.astype(acc))
+  delta = delta - dlse.astype(acc)
+  dq, dk, dv = _run_backward(q, k, v, dout.astype(q.dtype), lse, delta, *masks, call)
+  return (dq.astype(q.dtype), dk, dv) + (None,) * len(masks)
 
 
 flash_attention.defvjp(_forward, _backward)

@@ -11,7 +11,7 @@ import pytest
 
 import jax_flash
 import jax_flash.configs
-from jax_flash import api, ffi, validation
+from jax_flash import api, ffi, reference, validation
 
 import numerics
 from attention_base import run_attention
@@ -54,9 +54,12 @@ def test_integer_dtype():
 
 
 @pytest.mark.parametrize("window,match", [
-    ((-3, 2), r"window left size must be a non-negative int or None, got -3"),
+    ((-3, 2), r"window left size must be None or an int in \[0, 2\*\*31\), got -3"),
     ((1, 2, 3), r"window must be None, an int or a \(left, right\) pair, got \(1, 2, 3\)"),
-    ((1.5, 2), r"window left size must be a non-negative int or None, got 1.5"),
+    ((1.5, 2), r"window left size must be None or an int in \[0, 2\*\*31\), got 1.5"),
+    ((2**31, 0), r"window left size must be None or an int in \[0, 2\*\*31\), got 2147483648"),
+    ((4, True), r"window right size must be None or an int in \[0, 2\*\*31\), got True"),
+    (True, r"window must be None, an int or a \(left, right\) pair, got True"),
 ])
 def test_bad_window(window, match):
   with pytest.raises(ValueError, match=match):
@@ -75,7 +78,7 @@ def test_bad_lengths(lengths, match):
 def test_bad_scale():
   with pytest.raises(ValueError, match="scale must be finite, got nan"):
     jax_flash.attention(*qkv(), scale=float("nan"))
-  with pytest.raises(ValueError, match="scale must be a Python number .* got ArrayImpl"):
+  with pytest.raises(ValueError, match="scale must be None or a Python number, got ArrayImpl"):
     jax_flash.attention(*qkv(), scale=jnp.ones(3))
 
 
@@ -83,7 +86,8 @@ def test_bad_scale():
     (-1.0, r"softcap must be None or a finite number > 0, got -1.0"),
     (0, r"softcap must be None or a finite number > 0, got 0.0"),
     (float("inf"), r"softcap must be None or a finite number > 0, got inf"),
-    (jnp.ones(2), r"softcap must be None or a Python number .* got ArrayImpl"),
+    (jnp.ones(2), r"softcap must be None or a Python number, got ArrayImpl"),
+    ("2", r"softcap must be None or a Python number, got str '2'"),
 ])
 def test_bad_softcap(softcap, match):
   with pytest.raises(ValueError, match=match):
@@ -91,7 +95,7 @@ def test_bad_softcap(softcap, match):
 
 
 def test_bad_deterministic():
-  with pytest.raises(ValueError, match=r"deterministic must be a bool, got 'yes'"):
+  with pytest.raises(ValueError, match=r"deterministic must be a bool, got str 'yes'"):
     jax_flash.attention(*qkv(), deterministic="yes")
 
 
@@ -480,3 +484,120 @@ def test_deterministic_dq_keeps_only_the_tiles_a_turn_wrote(chains):
           got = (kept[c] if chains > 1 else kept)[b, rows, h]
           want = garbage[c, b, rows, h] if turns[b, h, t * chains + c] > 0 else 0.0
           np.testing.assert_array_equal(got, want)
+
+
+# Strict types for flags and static parameters (a string or a bool is not a
+# number, a string is not a flag).
+
+@pytest.mark.parametrize("flag", ["causal", "return_lse"])
+def test_flags_must_be_bools(flag):
+  with pytest.raises(ValueError, match=rf"{flag} must be a bool, got str 'no'"):
+    jax_flash.attention(*qkv(), **{flag: "no"})
+
+
+def test_dot_product_attention_flags_must_be_bools():
+  with pytest.raises(ValueError, match=r"is_causal must be a bool, got int 1"):
+    jax_flash.dot_product_attention(*qkv(k_shape=(2, 16, 4, 64)), is_causal=1)
+
+
+def test_varlen_causal_must_be_a_bool():
+  q = jnp.zeros((10, 4, 64))
+  with pytest.raises(ValueError, match=r"causal must be a bool, got str 'no'"):
+    jax_flash.varlen_attention(q, q, q, jnp.array([0, 10], jnp.int32), causal="no")
+
+
+def test_scale_must_be_a_number_not_a_string():
+  with pytest.raises(ValueError, match=r"scale must be None or a Python number, got str '0.5'"):
+    jax_flash.attention(*qkv(), scale="0.5")
+
+
+def test_traced_scale_is_a_clear_error_in_attention():
+  q, k, v = qkv()
+  attend = jax.jit(lambda q, k, v, s: jax_flash.attention(q, k, v, scale=s))
+  with pytest.raises(ValueError, match=r"scale must be None or a Python number, got a traced "
+                                       r"value \(it is a static kernel parameter"):
+    attend(q, k, v, 0.5)
+
+
+def test_numpy_integers_and_scalars_are_accepted():
+  q, k, v, _ = numerics.random_qkv(0, 1, 20, 20, 2, 2, 16, jnp.float32)
+  want = jax_flash.attention(q, k, v, window=2, scale=0.5)
+  got = jax_flash.attention(q, k, v, window=np.int64(2), scale=np.float32(0.5))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  got = jax_flash.attention(q, k, v, window=(np.int32(2), np.int64(2)), scale=jnp.float32(0.5))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# Shapes and dtypes no kernel, or no int32 index, can serve.
+
+def test_head_dim_zero():
+  with pytest.raises(ValueError, match=r"head_dim must be at least 1, got 0"):
+    jax_flash.attention(*qkv((2, 16, 4, 0), (2, 16, 2, 0)))
+
+
+def test_sequence_past_int32():
+  q = jax.ShapeDtypeStruct((1, 2**31, 1, 64), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 16, 1, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"seq_q must be below 2\*\*31 \(the kernels index with "
+                                       r"int32\), got 2147483648"):
+    jax.eval_shape(jax_flash.attention, q, k, k)
+
+
+def test_lengths_past_int32():
+  with pytest.raises(ValueError, match=r"key_value_seq_lengths must hold int32 values \(below "
+                                       r"2\*\*31\), got \[2147483648, 3\]"):
+    jax_flash.attention(*qkv(), key_value_seq_lengths=[2**31, 3])
+
+
+def test_float8_inputs():
+  q, k, v = qkv(dtype=jnp.float8_e4m3fn)
+  with pytest.raises(NotImplementedError, match=r"jax_flash takes float16, bfloat16, float32, "
+                                                r"float64 inputs, got q float8_e4m3fn"):
+    jax_flash.attention(q, k, v)
+
+
+def test_symbolic_shapes_in_export():
+  from jax import export
+  batch, seq = export.symbolic_shape("b, t")
+  q = jax.ShapeDtypeStruct((batch, seq, 4, 64), jnp.float32)
+  k = jax.ShapeDtypeStruct((batch, seq, 2, 64), jnp.float32)
+  with pytest.raises(NotImplementedError, match=r"jax_flash needs static shapes .* got q shape "
+                                                r"\(b, t, 4, 64\) with symbolic dimensions"):
+    export.export(jax.jit(jax_flash.attention), platforms=["cpu"])(q, k, k)
+
+
+# Second-order gradients.
+
+def test_second_order_gradients_of_the_kernels():
+  q, k, v, _ = numerics.random_qkv(1, 1, 16, 16, 2, 2, 16, jnp.float32)
+  loss = lambda q: jnp.sum(jax_flash.attention(q, k, v, implementation="cpu") ** 2)
+  with pytest.raises(NotImplementedError, match="second-order gradients"):
+    jax.grad(lambda q: jnp.sum(jax.grad(loss)(q)))(q)
+  with pytest.raises(NotImplementedError, match="second-order gradients"):
+    jax.hessian(loss)(q)
+
+
+def test_second_order_gradients_of_xla():
+  """implementation='xla' differentiates its backward like any JAX code."""
+  q, k, v, _ = numerics.random_qkv(1, 1, 12, 12, 2, 2, 8, jnp.float32)
+  mask = dict(scale=0.3, diag_offset=0, window_left=-1, window_right=0)
+  attend = lambda q: jax_flash.attention(q, k, v, causal=True, scale=0.3, implementation="xla")
+  plain = lambda q: reference.attention_reference(q, k, v, **mask)[0]
+  second = lambda f: jax.grad(lambda q: jnp.sum(jnp.sin(jax.grad(
+      lambda q: jnp.sum(f(q) ** 2))(q))))(q)
+  np.testing.assert_allclose(np.asarray(second(attend)), np.asarray(second(plain)),
+                             rtol=1e-4, atol=1e-5)
+
+
+# jax.nn's drop-in takes a traced scale, as jax.nn does.
+
+def test_dot_product_attention_traced_scale():
+  q, k, v, _ = numerics.random_qkv(2, 2, 20, 20, 4, 4, 16, jnp.float32)
+  ours = jax.jit(lambda s: jax_flash.dot_product_attention(q, k, v, scale=s, is_causal=True))
+  theirs = jax.jit(lambda s: jax.nn.dot_product_attention(q, k, v, scale=s, is_causal=True))
+  np.testing.assert_allclose(np.asarray(ours(0.3)), np.asarray(theirs(0.3)), rtol=1e-6, atol=1e-6)
+  flash = jax.jit(lambda s: jax_flash.dot_product_attention(q, k, v, scale=s,
+                                                            implementation="flash"))
+  with pytest.raises(NotImplementedError, match="implementation='flash' does not support a "
+                                                "traced scale"):
+    flash(0.3)

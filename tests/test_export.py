@@ -8,6 +8,8 @@ names (``jax_flash_cpu_fwd_v2``): a changed handler signature gets a new name
 and the old one stays registered, so a serialized module keeps resolving.
 """
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -16,12 +18,14 @@ import pytest
 from jax import export
 
 import jax_flash
+from jax_flash import ffi
 
 # jax.export's serialization needs flatbuffers (not a jax dependency).
 pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
 
 TARGETS = ("jax_flash_cpu_fwd_v2", "jax_flash_cpu_bwd_v2")
-ALLOW_KERNELS = [export.DisabledSafetyCheck.custom_call(name) for name in TARGETS]
+GPU_TARGETS = ("jax_flash_gpu_fwd_v2", "jax_flash_gpu_bwd_v2")
+ALLOW_KERNELS = [export.DisabledSafetyCheck.custom_call(name) for name in TARGETS + GPU_TARGETS]
 
 
 def qkv(seed=0, batch=2, seq_q=37, seq_k=45, heads_q=4, heads_kv=2, head_dim=16):
@@ -123,3 +127,73 @@ def test_modules_exported_before_v2_keep_running():
   delta = jnp.einsum("btnh,btnh->bnt", out, out)
   want = (out, lse, *ffi.backward(q, k, v, out, lse, delta, *lens, *ffi.no_segments(q), call))
   chex.assert_trees_all_equal(got, want)
+
+
+def custom_calls(exported) -> set[str]:
+  return set(re.findall(r"custom_call @(\w+)", exported.mlir_module()))
+
+
+def default_loss_and_grads(q, k, v):
+  """The default implementation: the kernels of whichever platform lowers it."""
+  def loss(q, k, v):
+    out = jax_flash.attention(q, k, v, causal=True)
+    return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+
+  return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+@pytest.mark.parametrize("library", [True, False], ids=["cuda-library", "no-cuda-library"])
+@pytest.mark.parametrize("platforms,want", [
+    (("cuda",), GPU_TARGETS), (("cpu",), TARGETS), (("cpu", "cuda"), TARGETS + GPU_TARGETS)],
+    ids=["cuda", "cpu", "cpu+cuda"])
+def test_export_holds_the_kernels_of_the_platforms_asked_for(platforms, want, library,
+                                                             monkeypatch):
+  """The kernels follow the lowering platform, not the exporting host's
+  devices; on a host without a GPU, the CUDA library need not be here."""
+  if not library:
+    if ffi.gpu_compute_capability() is not None:
+      pytest.skip("with a GPU visible, this installation's CUDA library decides")
+    monkeypatch.setattr(ffi, "CUDA_LIBRARY", None)
+    assert not jax_flash.cuda_kernels_available()
+  args = tuple(x.astype(jnp.bfloat16) for x in qkv(head_dim=64))
+  exported = export.export(jax.jit(default_loss_and_grads), platforms=platforms,
+                           disabled_checks=ALLOW_KERNELS)(*args)
+  assert custom_calls(exported) == set(want)
+  restored = export.deserialize(exported.serialize())
+  assert restored.platforms == platforms
+  if jax.default_backend() in restored.platforms:
+    chex.assert_trees_all_equal(restored.call(*args), jax.jit(default_loss_and_grads)(*args))
+
+
+def test_export_for_cuda_falls_back_where_its_kernels_do_not_serve():
+  """float32 has no GPU kernels: the CUDA module runs XLA's composition (as
+  a call on a GPU would), the CPU one the CPU kernels."""
+  args = qkv(head_dim=64)
+  for platforms, want in ((["cuda"], set()), (["cpu", "cuda"], set(TARGETS))):
+    exported = export.export(jax.jit(default_loss_and_grads), platforms=platforms,
+                             disabled_checks=ALLOW_KERNELS)(*args)
+    assert custom_calls(exported) == want
+
+
+def test_export_with_flash_raises_for_the_platform_it_cannot_serve():
+  attend = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, implementation="flash"))
+  args = qkv(head_dim=64)  # float32: CPU kernels only
+  exported = export.export(attend, platforms=["cpu"], disabled_checks=ALLOW_KERNELS)(*args)
+  assert custom_calls(exported) == {TARGETS[0]}
+  with pytest.raises(NotImplementedError, match="implementation='flash': the gpu kernels support "
+                                                "dtypes float16, bfloat16, got float32"):
+    export.export(attend, platforms=["cpu", "cuda"], disabled_checks=ALLOW_KERNELS)(*args)
+
+
+@pytest.mark.gpu
+def test_module_exported_for_cuda_runs_on_the_gpu():
+  """The artifact of a CUDA export runs on the GPU and agrees with the
+  jitted call (the GPU half of the CPU-host export test above)."""
+  args = tuple(x.astype(jnp.bfloat16) for x in qkv(head_dim=64))
+  exported = export.export(jax.jit(default_loss_and_grads), platforms=["cuda"],
+                           disabled_checks=ALLOW_KERNELS)(*args)
+  got = export.deserialize(exported.serialize()).call(*args)
+  want = jax.jit(default_loss_and_grads)(*args)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                               rtol=2e-2, atol=2e-2)

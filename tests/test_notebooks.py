@@ -26,7 +26,14 @@ def printed(notebook) -> str:
                  for output in cell.get("outputs", []))
 
 
-@pytest.mark.parametrize("name", ["quickstart", "benchmarks"])
+EXECUTED = ("quickstart", "benchmarks")  # by the tests below
+
+
+def test_every_notebook_is_executed():
+  assert sorted(path.stem for path in NOTEBOOKS.glob("*.ipynb")) == sorted(EXECUTED)
+
+
+@pytest.mark.parametrize("name", EXECUTED)
 def test_committed_without_outputs(name):
   notebook = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
   nbformat.validate(notebook)

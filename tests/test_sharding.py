@@ -90,28 +90,36 @@ def test_replicated_kv_follows_q_sharding():
   assert not [c for c in COLLECTIVES if c in f.lower(q_sharded, k, v).compile().as_text()]
 
 
-def test_explicit_mesh_sharding():
-  # jax.make_mesh's default Explicit axes carry the sharding in the types.
+@pytest.mark.parametrize("implementation", [None, "cpu"], ids=["default", "cpu"])
+@pytest.mark.parametrize("context", ["set_mesh", "no_mesh_context"])
+def test_explicit_mesh_sharding(context, implementation):
+  # jax.make_mesh's default Explicit axes carry the sharding in the types,
+  # with or without a mesh context (the README's multi-device example).
   mesh = jax.make_mesh((2, 4), ("dp", "tp"))
   q, k, v, dout = numerics.random_qkv(2, 2, 30, 30, 8, 4, 32, DTYPE)
   spec = P("dp", None, "tp", None)
-  with jax.set_mesh(mesh):
-    put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))
-    got = forward_backward(lambda q, k, v: jax_flash.attention(
-        q, k, v, causal=True, return_lse=True, implementation="cpu"))(*map(put, (q, k, v, dout)))
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))
+  run = forward_backward(lambda q, k, v: jax_flash.attention(
+      q, k, v, causal=True, return_lse=True, implementation=implementation))
+  if context == "set_mesh":
+    with jax.set_mesh(mesh):
+      got = run(*map(put, (q, k, v, dout)))
+  else:
+    got = run(*map(put, (q, k, v, dout)))
   assert_matches_reference(got, q, k, v, dout, **mask_kwargs(30, 30, True))
   assert_sharded(got[1], mesh, P("dp", "tp"))
   for x in (got[0], *got[2:]):
     assert_sharded(x, mesh, spec)
 
 
-def test_shard_map_gradients_with_check_vma():
+@pytest.mark.parametrize("implementation", [None, "cpu", "xla"])
+def test_shard_map_gradients_with_check_vma(implementation):
   mesh = auto_mesh()
   q, k, v, dout = numerics.random_qkv(3, 2, 40, 40, 8, 4, 32, DTYPE)
   spec, lse_spec = P("dp", None, "tp"), P("dp", "tp")
   attend = jax.shard_map(
       lambda q, k, v: jax_flash.attention(q, k, v, causal=True, return_lse=True,
-                                          implementation="cpu"),
+                                          implementation=implementation),
       mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, lse_spec))
   got = forward_backward(attend)(q, k, v, dout)
   assert_matches_reference(got, q, k, v, dout, **mask_kwargs(40, 40, True))
