@@ -57,7 +57,7 @@ def kernel_report() -> tuple[list[str], bool]:
   device = jax.devices()[0]
   gpu_reason = api._gpu_unavailable_reason()
   capability = ffi.gpu_compute_capability()
-  gpu_built = "built" if ffi.cuda_kernels_available() else "not built (no nvcc at install)"
+  gpu_built = "built" if ffi.cuda_kernels_available() else "not built in this installation"
   gpu_usable = (f"usable (compute capability {capability[0]}.{capability[1]})"
                 if gpu_reason is None else f"not usable: {gpu_reason}")
   cpu = configs.BACKENDS["cpu"]
