@@ -1,4 +1,11 @@
-"""The shared attention specification, once per backend."""
+"""The shared attention specification, once per backend.
+
+On a CPU each case costs a few seconds of compiling (the kernel call, the
+float64 reference and the naive one), so the quick suite runs one case of
+each behaviour on the CPU kernels (``TestCpu``: bfloat16, head dim 64), and
+``TestCpuSweep`` (marked slow) runs the whole specification at every dtype
+and head dim they serve.
+"""
 
 import jax.numpy as jnp
 import pytest
@@ -6,17 +13,70 @@ import pytest
 from attention_base import AttentionTestBase
 
 
+class TestCpu(AttentionTestBase):
+  implementation = "cpu"
+  dtypes = (jnp.bfloat16,)
+  head_dims = (64,)
+
+  @pytest.mark.parametrize("seq_q,seq_k,causal", [(1, 1, False), (17, 1000, True),
+                                                  (1000, 17, True)])
+  def test_awkward_lengths(self, seq_q, seq_k, causal):
+    super().test_awkward_lengths(seq_q, seq_k, causal)
+
+  def test_smaller_value_head_dim(self, dtype):
+    super().test_smaller_value_head_dim(dtype, "causal")
+
+  def test_short_queries_pack_query_heads(self):
+    super().test_short_queries_pack_query_heads(1, True)
+
+  def test_grouped_heads(self):
+    super().test_grouped_heads(8, 2)
+
+  def test_sliding_window(self):
+    super().test_sliding_window((40, 3), True)
+
+  def test_sequence_lengths(self):
+    super().test_sequence_lengths(True)
+
+  def test_softcap(self, dtype, head_dim):
+    super().test_softcap(dtype, head_dim, True)
+
+  def test_deterministic_backward(self):
+    super().test_deterministic_backward("documents")
+
+  def test_vmap_gradients_match_loop(self, head_dim):
+    super().test_vmap_gradients_match_loop(head_dim, True)
+
+  def test_dot_product_attention_matches_jax_nn(self):
+    super().test_dot_product_attention_matches_jax_nn(True)
+
+  def test_packed_documents(self):
+    super().test_packed_documents(True)
+
+
+# Cases of the specification that the quick suite leaves to TestCpuSweep:
+# longer sequences, every head dim, more of the same masks.
+for _name in ("test_decoding_long_cache", "test_short_queries_with_documents_and_lengths",
+              "test_masks_at_every_head_dim", "test_long_rows_of_unequal_reach",
+              "test_causal_grid_in_sections", "test_softcap_saturated",
+              "test_softcap_with_documents_and_window", "test_deterministic_backward_at_every_head_dim",
+              "test_deterministic_backward_over_many_keys", "test_long_and_interleaved_documents"):
+  setattr(TestCpu, _name, None)
+
+
+@pytest.mark.slow
+class TestCpuSweep(AttentionTestBase):
+  implementation = "cpu"
+  dtypes = (jnp.float32, jnp.bfloat16, jnp.float16)
+  head_dims = (64, 40, 96, 128, 256)
+
+
+@pytest.mark.slow
 class TestXla(AttentionTestBase):
   implementation = "xla"
   dtypes = (jnp.float32, jnp.bfloat16)
   head_dims = (64, 128)
   long_seq = 1500
-
-
-class TestCpu(AttentionTestBase):
-  implementation = "cpu"
-  dtypes = (jnp.float32, jnp.bfloat16, jnp.float16)
-  head_dims = (64, 40, 96, 128, 256)
 
 
 @pytest.mark.gpu

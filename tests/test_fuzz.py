@@ -1,7 +1,8 @@
-"""Shape fuzzing of the CPU kernels with hypothesis."""
+"""Shape fuzzing of the CPU kernels with hypothesis (slow: each example compiles)."""
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from attention_base import AttentionTestBase
@@ -13,6 +14,7 @@ class FuzzCpu(AttentionTestBase):
   implementation = "cpu"
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, derandomize=True)
 @given(
     batch=st.integers(1, 2),

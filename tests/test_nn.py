@@ -81,8 +81,12 @@ def nnx_pair(num_kv_heads=None, dropout_rate=0.0):
   return stock, ours
 
 
-@pytest.mark.parametrize("num_kv_heads", [None, 2, 1], ids=["mha", "gqa", "mqa"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+# The quick suite takes GQA causal; the other head groupings and masks are slow.
+@pytest.mark.parametrize("num_kv_heads", [pytest.param(None, id="mha", marks=pytest.mark.slow),
+                                          pytest.param(2, id="gqa"),
+                                          pytest.param(1, id="mqa", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("causal", [pytest.param(False, id="full", marks=pytest.mark.slow),
+                                    pytest.param(True, id="causal")])
 def test_nnx_matches_stock(causal, num_kv_heads):
   stock, ours = nnx_pair(num_kv_heads)
   x = inputs(2, 21, FEATURES)
@@ -164,7 +168,8 @@ def assert_same_loss_and_grads(got, want):
 
 
 @pytest.mark.parametrize("case", list(EQX_CASES))
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("causal", [pytest.param(False, id="full", marks=pytest.mark.slow),
+                                    pytest.param(True, id="causal")])
 def test_equinox_matches_stock(causal, case):
   sizes, seq_q, seq_k = (EQX_CASES[case][name] for name in ("sizes", "seq_q", "seq_k"))
   stock, ours = eqx_pair(causal, **sizes)

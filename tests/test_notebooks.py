@@ -42,6 +42,7 @@ def test_committed_without_outputs(name):
       assert not cell.outputs and cell.execution_count is None, cell.source[:60]
 
 
+@pytest.mark.slow
 def test_quickstart(monkeypatch):
   monkeypatch.delenv("XLA_FLAGS", raising=False)
   text = printed(execute("quickstart"))
@@ -50,6 +51,7 @@ def test_quickstart(monkeypatch):
   assert "max |sharded - single device| = 0.0" in text
 
 
+@pytest.mark.slow
 def test_benchmarks_without_results(tmp_path, monkeypatch):
   monkeypatch.setenv("JAX_FLASH_BENCHMARK_RESULTS", str(tmp_path / "missing"))
   text = printed(execute("benchmarks"))
@@ -65,6 +67,7 @@ def row(impl, seq, tflops, head_dim=128, causal=False, op="fwd"):
           "matmul_ceiling_tflops": 700.0}
 
 
+@pytest.mark.slow
 def test_benchmarks_with_partial_results(tmp_path, monkeypatch):
   rows = [row(impl, seq, tflops, causal=causal)
           for impl, tflops in (("jax_flash", 500.0), ("cudnn", 600.0))
