@@ -4,9 +4,11 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstdint>
 
 #include "attention_ffi.h"
+#include "paged_ffi.h"
 
 namespace jax_flash {
 namespace {
@@ -107,6 +109,26 @@ ffi::Error BwdCudaV1(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
                      scale, diag_offset, window_left, window_right, Options{});
 }
 
+ffi::Error PagedFwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                        ffi::AnyBuffer v_pages, ffi::AnyBuffer page_table, ffi::AnyBuffer q_lens,
+                        ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> o,
+                        ffi::Result<ffi::AnyBuffer> lse, float scale, float softcap,
+                        int32_t window_left, int32_t window_right, int32_t split_pages) {
+  g_handler_calls.fetch_add(1, std::memory_order_relaxed);
+  auto launch = [stream](const JfPagedFwdArgs& args) {
+    return CallKernel([&](char* err, size_t n) {
+#ifdef JF_HAVE_FWD_SM90
+      return jax_flash_fwd_sm90_paged(&args, stream, err, n);
+#else
+      std::snprintf(err, n, "this build holds no Hopper kernels for paged attention");
+      return 1;
+#endif
+    });
+  };
+  return PagedForward(launch, q, k_pages, v_pages, page_table, q_lens, kv_lens, o, lse, scale,
+                      softcap, window_left, window_right, split_pages);
+}
+
 }  // namespace
 }  // namespace jax_flash
 
@@ -135,5 +157,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFlashBwdCudaV1, jax_flash::BwdCudaV1,
     jax_flash::BindBackwardV1(
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFlashPagedFwdCuda, jax_flash::PagedFwdCuda,
+    jax_flash::BindPagedForward(
         xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
     {xla::ffi::Traits::kCmdBufferCompatible});

@@ -9,7 +9,8 @@ is narrower, ..._hd<head_dim>v<head_dim_v>), plain
 from FlashFwdSm90.call_with_segments, which takes the three segment tensors
 after the stream), short-sequence (jf_fwdshort90_*, the head dims of
 SHORT_TILE in tile_config.py) and K / V multicast in 2-CTA clusters
-(jf_fwdpair90_*, the head dims of KV_MULTICAST), and
+(jf_fwdpair90_*, the head dims of KV_MULTICAST), paged K / V (jf_fwdpaged90_*,
+the head dims of PAGED, compiled from FlashFwdSm90.call_paged), and
 DIR/fwd_sm90_variants_sm_90a.h, which includes them all and defines
 
     JF_FWD_SM90_VARIANTS_SM_90A(X)        ->  X(arch, JfDtype, head_dim, head_dim_v, prefix) ...
@@ -18,6 +19,7 @@ DIR/fwd_sm90_variants_sm_90a.h, which includes them all and defines
                                               max_seqlen_q_causal, max_seqlen_q) ...
     JF_FWD_SM90_PAIR_VARIANTS_SM_90A(X)   ->  X(arch, JfDtype, head_dim, head_dim_v, prefix,
                                               min_seqlen_q) ...
+    JF_FWD_SM90_PAGED_VARIANTS_SM_90A(X)  ->  X(arch, JfDtype, head_dim, head_dim_v, prefix) ...
 
 for launch.cc. The tensor and scalar signature is the sm80 kernel's, so the
 generated wrappers take the same descriptors. `--only` and the kernel flags
@@ -33,12 +35,14 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from common.export_common import (  # noqa: E402
+    ROW_MAJOR_4D,
     SCALAR_ALIGN,
+    VECTOR_ALIGN,
     FakeProblem,
     export_variants,
     write_variants_header,
 )
-from tile_config import KV_MULTICAST, SHORT_TILE, TILE_CONFIG  # noqa: E402
+from tile_config import KV_MULTICAST, PAGED, SHORT_TILE, TILE_CONFIG  # noqa: E402
 
 ARCHES = ("sm_90a",)
 DTYPES = (("fp16", "JF_FLOAT16", "Float16"), ("bf16", "JF_BFLOAT16", "BFloat16"))
@@ -81,8 +85,9 @@ def _parse_args():
 
 
 def variant_name(arch: str, dtype_tag: str, head_dim: int, head_dim_v: int, has_segments: bool,
-                 short: bool = False, pair: bool = False) -> str:
-    family = "fwdshort90" if short else "fwdpair90" if pair else "fwdseg90" if has_segments else "fwd90"
+                 short: bool = False, pair: bool = False, paged: bool = False) -> str:
+    family = ("fwdshort90" if short else "fwdpair90" if pair else "fwdpaged90" if paged
+              else "fwdseg90" if has_segments else "fwd90")
     value = "" if head_dim_v == head_dim else f"v{head_dim_v}"
     return f"jf_{family}_{arch}_{dtype_tag}_hd{head_dim}{value}"
 
@@ -103,6 +108,30 @@ def _fake_args(dtype, head_dim, head_dim_v, has_segments):
         return args
     kv_bounds = fake.segment_bounds(fake.seqlen_q)
     return (*args, fake.segment_ids(fake.seqlen_q), fake.segment_ids(fake.seqlen_k), kv_bounds)
+
+
+def _fake_paged_args(dtype, head_dim, head_dim_v):
+    """call_paged's operands: Q and the lengths per sequence, K / V as pages
+    (their own extents), O / LSE per (sequence, split) and the page table."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    fake = FakeProblem(head_dim)
+    pages, page_size, outputs = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    paged = lambda dim: make_fake_compact_tensor(
+        dtype, (pages, page_size, fake.heads_kv, dim), stride_order=ROW_MAJOR_4D,
+        assumed_align=VECTOR_ALIGN)
+    o = make_fake_compact_tensor(dtype, (outputs, fake.seqlen_q, fake.heads_q, head_dim_v),
+                                 stride_order=ROW_MAJOR_4D, assumed_align=VECTOR_ALIGN)
+    lse = make_fake_compact_tensor(cutlass.Float32, (outputs, fake.heads_q, fake.seqlen_q),
+                                   stride_order=(2, 1, 0), assumed_align=SCALAR_ALIGN)
+    table = make_fake_compact_tensor(cutlass.Int32, (fake.batch, cute.sym_int()), stride_order=(1, 0),
+                                     assumed_align=SCALAR_ALIGN)
+    scalars = (cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(-1), cutlass.Int32(-1))
+    return (fake.bthd(dtype, fake.seqlen_q, fake.heads_q), paged(head_dim), paged(head_dim_v), o, lse,
+            fake.lens(), fake.lens(), *scalars, cutlass.runtime.make_fake_stream(), table,
+            cutlass.Int32(1))
 
 
 def main():
@@ -162,6 +191,18 @@ def main():
                                               False, pair=True)))
             pair_built.append(f"{args.arch}, {enum_name}, {head_dim}, {head_dim_v}, {name}, {min_seqlen_q}")
 
+    paged_built = []
+    for dtype_tag, enum_name, cutlass_name in DTYPES:
+        for head_dim, head_dim_v in PAGED:
+            name = variant_name(args.arch, dtype_tag, head_dim, head_dim_v, False, paged=True)
+            if only is not None and name not in only:
+                continue
+            dtype = getattr(cutlass, cutlass_name)
+            kernel = FlashFwdSm90(dtype, head_dim, head_dim_v, paged_kv=True)
+            variants.append((name, lambda kernel=kernel, dtype=dtype, dims=(head_dim, head_dim_v):
+                             cute.compile(kernel.call_paged, *_fake_paged_args(dtype, *dims))))
+            paged_built.append(f"{args.arch}, {enum_name}, {head_dim}, {head_dim_v}, {name}")
+
     names = export_variants(args.out, variants)
     arch_macro = args.arch.upper()
     write_variants_header(
@@ -179,6 +220,9 @@ def main():
             (f"X(arch, JfDtype, head_dim, head_dim_v, prefix, min_seqlen_q) for every exported "
              f"{args.arch} variant that multicasts K / V in 2-CTA clusters (no window, no segments).",
              f"JF_FWD_SM90_PAIR_VARIANTS_{arch_macro}", pair_built),
+            (f"X(arch, JfDtype, head_dim, head_dim_v, prefix) for every exported {args.arch} variant "
+             "that reads K / V through a page table (call_paged).",
+             f"JF_FWD_SM90_PAGED_VARIANTS_{arch_macro}", paged_built),
         ],
     )
 

@@ -51,6 +51,7 @@ from common.dsl_common import (
 from launch_order import tile_of_cta
 from online_softmax import online_softmax, rescale_rows, store_converted
 from output_tile import store_output_tile
+from paged_kv import PAGE_BOX, PagedProblem, clear_unseen_values, produce_paged, slab_layouts
 from score_mask import mask_tile, unseen_leading_tiles
 from segment_ids import warp_bounds_union, warp_tile_segment
 from tile_config import Q_IN_REGISTERS, REDUCTION_PARTIALS, TILE_CONFIG
@@ -86,6 +87,7 @@ class FlashFwdSm90:
         kv_multicast: bool = False,
         q_in_registers: bool = None,
         reduction_partials: int = None,
+        paged_kv: bool = False,
     ):
         head_dim_v = head_dim_v or head_dim
         if not self.can_implement(dtype, head_dim, head_dim_v):
@@ -115,6 +117,11 @@ class FlashFwdSm90:
         if kv_multicast and has_segments:
             raise ValueError("FlashFwdSm90: kv_multicast needs has_segments=False")
         self.cluster_size = 2 if kv_multicast else 1
+        # K / V from a page table (paged_kv.py): the call_paged entry point.
+        if paged_kv and (kv_multicast or has_segments or self.tile_n % PAGE_BOX):
+            raise ValueError("FlashFwdSm90: paged_kv needs no multicast, no segments and "
+                             f"tile_n a multiple of {PAGE_BOX}")
+        self.paged_kv = paged_kv
         # Q as the register (A) operand of the S GEMM, loaded once per CTA:
         # the GEMM then reads only K from shared memory (Q_IN_REGISTERS).
         # Not with segments: their ids take the registers (hd128: 152 bytes
@@ -185,12 +192,31 @@ class FlashFwdSm90:
                      window_left, window_right, stream, mQSeg, mKVSeg, mKVBounds)
 
     @cute.jit
+    def call_paged(
+        self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+        mLSE: cute.Tensor, mQLens: cute.Tensor, mKVLens: cute.Tensor,
+        scale: cutlass.Float32, softcap: cutlass.Float32, diag_offset: cutlass.Int32,
+        window_left: cutlass.Int32, window_right: cutlass.Int32, stream: cuda.CUstream,
+        mPageTable: cute.Tensor,  # [B, splits * split_pages] int32
+        split_pages: cutlass.Int32,
+    ):
+        """Entry point of the paged variant (paged_kv.py): mK / mV are
+        [num_pages, page_size, Nkv, H] pages, mKVLens the cache lengths, mO /
+        mLSE hold one partial result per (sequence, split): [B * splits, ...].
+        The mask's diagonal is diag_offset from each sequence's bottom right."""
+        self._launch(mQ, mK, mV, mO, mLSE, mQLens, mKVLens, scale, softcap, diag_offset,
+                     window_left, window_right, stream, None, None, None, mPageTable, split_pages)
+
+    @cute.jit
     def _launch(
         self, mQ, mK, mV, mO, mLSE, mQLens, mKVLens, scale, softcap, diag_offset,
-        window_left, window_right, stream, mQSeg, mKVSeg, mKVBounds,
+        window_left, window_right, stream, mQSeg, mKVSeg, mKVBounds, mPageTable=None,
+        split_pages=None,
     ):
         if cutlass.const_expr(self.has_segments != (mQSeg is not None)):
             raise TypeError("segment tensors must be given exactly for the has_segments variant")
+        if cutlass.const_expr(self.paged_kv != (mPageTable is not None)):
+            raise TypeError("a page table must be given exactly for the paged_kv variant")
         hd, hd_v, tile_n = self.head_dim, self.head_dim_v, self.tile_n
         # TMA views with the contiguous head dim first: Q/K/O as (seq, hd, heads,
         # batch) and V transposed as (hd, seq, heads, batch), the N-major B
@@ -235,11 +261,15 @@ class FlashFwdSm90:
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         g2s_kv = g2s if cutlass.const_expr(self.cluster_size == 1) else cpasync.CopyBulkTensorTileG2SMulticastOp()
         tma_q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQt, sQ_stage, (WG_ROWS, hd))
+        # A paged K / V tile arrives in PAGE_BOX-key boxes, each from its page.
+        sK_box, sV_box, box_n = sK_stage, sV_stage, tile_n
+        if cutlass.const_expr(self.paged_kv):
+            (sK_box, sV_box), box_n = slab_layouts(sK_stage, sV_stage, hd, hd_v), PAGE_BOX
         tma_k, mK_tma = cpasync.make_tiled_tma_atom(
-            g2s_kv, mKt, sK_stage, (tile_n, hd), num_multicast=self.cluster_size
+            g2s_kv, mKt, sK_box, (box_n, hd), num_multicast=self.cluster_size
         )
         tma_v, mV_tma = cpasync.make_tiled_tma_atom(
-            g2s_kv, mVt, sV_stage, (hd_v, tile_n), num_multicast=self.cluster_size
+            g2s_kv, mVt, sV_box, (hd_v, box_n), num_multicast=self.cluster_size
         )
         tma_o, mO_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mOt, sO_stage, (WG_ROWS, hd_v)
@@ -266,13 +296,13 @@ class FlashFwdSm90:
         grid = (
             cute.round_up(cute.ceil_div(mQ.shape[1], self.tile_m), self.cluster_size),
             cute.size(mQ.shape[2]),
-            cute.size(mQ.shape[0]),
+            cute.size(mO.shape[0]),  # paged: a CTA per (sequence, split)
         )
         self.kernel(
             tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, tma_o, mO_tma,
             mLSE, mQLens, mKVLens,
             scale, softcap, diag_offset, window_left, window_right,
-            mQSeg, mKVSeg, mKVBounds,
+            mQSeg, mKVSeg, mKVBounds, mPageTable, split_pages,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(
@@ -308,6 +338,8 @@ class FlashFwdSm90:
         mQSeg: Optional[cute.Tensor],
         mKVSeg: Optional[cute.Tensor],
         mKVBounds: Optional[cute.Tensor],
+        mPageTable: Optional[cute.Tensor],
+        split_pages: Optional[cutlass.Int32],
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -325,17 +357,26 @@ class FlashFwdSm90:
         tile_n = self.tile_n
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
+        if cutlass.const_expr(self.paged_kv):
+            seqlen_k = split_pages * mK.shape[0]  # the keys of one split
         m_blocks = cute.round_up(cute.ceil_div(seqlen_q, self.tile_m), self.cluster_size)
         # Causal-like: longest query tiles first (launch_order.py). Clusters
         # pair the tiles of problems without a window, all equally long.
         m_block_rev, head_q, batch = cute.arch.block_idx()
         if cutlass.const_expr(self.cluster_size == 1):
+            # The grid's batch entries: paged, one per (sequence, split).
+            batches = mLSE.shape[0] if cutlass.const_expr(self.paged_kv) else mQ.shape[3]
             m_block_rev, head_q, batch = tile_of_cta(
-                m_blocks, seqlen_q, window_right, mQ.shape[2], mK.shape[2], mQ.shape[3], seqlen_k,
+                m_blocks, seqlen_q, window_right, mQ.shape[2], mK.shape[2], batches, seqlen_k,
                 (self.head_dim + self.head_dim_v) * self.dtype.width // 8,
             )
         m_block = m_blocks - 1 - m_block_rev
         head_kv = head_q // (mQ.shape[2] // mK.shape[2])
+        paged = None
+        if cutlass.const_expr(self.paged_kv):
+            paged = PagedProblem(batch, mQLens, mKVLens, mPageTable, split_pages, mK.shape[0],
+                                 seqlen_q, diag_offset)
+            seqlen_k, diag_offset = paged.split_keys, paged.diag_offset
         # The grid's rows beyond seqlen_q (a partial tile, a cluster's
         # rounding) go before row 0, in whole 64-row warpgroup tiles: there
         # every mask leaves the fewest keys, whereas past the end a causal
@@ -345,8 +386,11 @@ class FlashFwdSm90:
         lead_tiles = m_blocks * self.consumers - cute.ceil_div(seqlen_q, WG_ROWS)
         wg_tile0 = m_block * self.consumers - lead_tiles
         m_start = wg_tile0 * WG_ROWS
-        q_len = cutlass.max(cutlass.min(mQLens[batch], seqlen_q), 0)
-        kv_len = cutlass.max(cutlass.min(mKVLens[batch], seqlen_k), 0)
+        if cutlass.const_expr(self.paged_kv):
+            q_len, kv_len = paged.q_len, paged.kv_len
+        else:
+            q_len = cutlass.max(cutlass.min(mQLens[batch], seqlen_q), 0)
+            kv_len = cutlass.max(cutlass.min(mKVLens[batch], seqlen_k), 0)
 
         # ---- KV tile range of the whole CTA (of the cluster) -----------------
         # The CTAs of a cluster walk the same KV tiles: the range of all their
@@ -413,11 +457,18 @@ class FlashFwdSm90:
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
-                self._produce(
-                    tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
-                    pipe_q, pipe_k, pipe_v,
-                    head_q, head_kv, batch, wg_tile0, n_block_max, num_n_blocks,
-                )
+                if cutlass.const_expr(self.paged_kv):
+                    produce_paged(
+                        tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
+                        mPageTable, paged, head_q, head_kv, wg_tile0, n_block_max, num_n_blocks,
+                        self.consumers, self.kv_stages, tile_n, WG_ROWS,
+                    )
+                else:
+                    self._produce(
+                        tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
+                        pipe_q, pipe_k, pipe_v,
+                        head_q, head_kv, batch, wg_tile0, n_block_max, num_n_blocks,
+                    )
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers())
             scale_log2, softcap_in = logit_scales(scale, softcap)
@@ -620,6 +671,7 @@ class FlashFwdSm90:
                 acc_S = self._gemm_qk(tiled_mma_qk, acc_S_shape, tSrQ, tSrK, kv_state.index)
                 rescale_rows(acc_O_mn, factor, self.conditional_rescale)
                 pipe_v.consumer_wait(v_state)
+                self._clear_unseen_values(sV, v_state.index, n_block + 1, kv_len, tidx, wg)
                 self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)
                 self._turn_pass(wg)
                 # Issued while the GEMMs run, so that their latency hides.
@@ -645,6 +697,7 @@ class FlashFwdSm90:
 
             rescale_rows(acc_O_mn, factor, self.conditional_rescale)
             pipe_v.consumer_wait(kv_state)
+            self._clear_unseen_values(sV, kv_state.index, n_block_max - num_n_blocks, kv_len, tidx, wg)
             self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, kv_state.index)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(kv_state)
@@ -655,6 +708,15 @@ class FlashFwdSm90:
                           WG_THREADS)
 
     # ------------------------------------------------------------------------
+    @cute.jit
+    def _clear_unseen_values(self, sV, stage, v_block, kv_len, tidx, wg):
+        """Paged: zero the V rows of tile v_block past the cache (its last
+        page's unused slots) before a PV GEMM reads them."""
+        if cutlass.const_expr(self.paged_kv):
+            if (v_block + 1) * self.tile_n > kv_len:
+                clear_unseen_values(sV, stage, kv_len - v_block * self.tile_n, tidx, WG_THREADS,
+                                    self.tile_n, self.bar_epilogue + wg)
+
     @cute.jit
     def _turn_wait(self, wg):
         """Pingpong: wait until the previous consumer has issued its GEMMs."""

@@ -224,3 +224,8 @@ SHORT_TILE = {
     64: ShortTile(tile_n=64, consumers=1, kv_stages=3, ctas_per_sm=3, max_seqlen_q_causal=2048,
                   max_seqlen_q=768),
 }
+
+# (head_dim, head_dim_v) pairs exported with paged K / V (call_paged): the
+# head dims of serving models; their tiles are TILE_CONFIG's, whose tile_n
+# are multiples of paged_kv.PAGE_BOX.
+PAGED = ((64, 64), (128, 128), (256, 256))

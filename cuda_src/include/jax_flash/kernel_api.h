@@ -138,6 +138,40 @@ typedef struct JfBwdArgs {
   int32_t dq_tile_rows;  // 0: dq_accum in q's layout; M: in query tiles
 } JfBwdArgs;
 
+// Paged KV cache (jax_flash.paged_attention): the keys of sequence b are
+// the rows of the pages page_table[b, 0], page_table[b, 1], ... in order.
+//   q          [batch, seqlen_q, heads_q, head_dim]: each sequence's new
+//              tokens, the last q_lens[b] tokens of its cache
+//   k_pages    [num_pages, page_size, heads_kv, head_dim]
+//   v_pages    [num_pages, page_size, heads_kv, head_dim_v]
+//   page_table [batch, max_pages] int32; max_pages a multiple of split_pages
+//   q_lens     [batch] int32, kv_lens [batch] int32: new tokens and cache
+//              length (new tokens included) per sequence
+//   o          [batch * splits, seqlen_q, heads_q, head_dim_v]
+//   lse        [batch * splits, heads_q, seqlen_q] float32
+// with splits = max_pages / split_pages: entry b * splits + s is the result
+// over keys [s * split_pages * page_size, (s + 1) * split_pages * page_size)
+// of sequence b (zeros and -inf where a row sees none of them); the caller
+// merges the splits. The mask is the one above with the diagonal at each
+// sequence's bottom right: diag_offset = kv_lens[b] - q_lens[b] +
+// problem.diag_offset. problem.seqlen_k is max_pages * page_size; a page id
+// outside [0, num_pages) reads zeros.
+typedef struct JfPagedFwdArgs {
+  JfProblem problem;
+  int32_t num_pages;
+  int32_t page_size;
+  int32_t max_pages;
+  int32_t split_pages;
+  const void* q;
+  const void* k_pages;
+  const void* v_pages;
+  const int32_t* page_table;
+  const int32_t* q_lens;
+  const int32_t* kv_lens;
+  void* o;
+  float* lse;
+} JfPagedFwdArgs;
+
 // Return 0 on success. On failure return non-zero and write a NUL-terminated
 // message of at most err_len bytes into err. GPU entry points enqueue work on
 // `stream` (a cudaStream_t) and never synchronise the host or allocate.
@@ -160,6 +194,10 @@ int jax_flash_bwd_sm90_can_implement(const JfProblem* problem);
 int jax_flash_bwd_sm90_dq_tile_rows(int32_t head_dim, int32_t head_dim_v);
 int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream, char* err,
                        size_t err_len);
+// The paged forward (Hopper only): 1 when it serves the problem.
+int jax_flash_fwd_sm90_paged_can_implement(const JfPagedFwdArgs* args);
+int jax_flash_fwd_sm90_paged(const JfPagedFwdArgs* args, void* stream, char* err,
+                             size_t err_len);
 
 #ifdef __cplusplus
 }

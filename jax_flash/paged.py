@@ -1,0 +1,371 @@
+"""Attention against a paged KV cache, for serving: decode steps, speculative
+tokens and chunked prefill in one ragged batch.
+
+The cache is a pool of pages shared by all sequences, ``[num_pages,
+page_size, heads_kv, head_dim]``; a page table row lists the pages of one
+sequence in order. This is the layout of vLLM and FlashAttention: one token's
+keys for every head are one contiguous row (a cache write is one row per
+token), and the kernel reads a page's keys of one head as a strided box.
+
+Results are batch invariant on the Hopper kernel: the keys of a sequence are
+cut into splits of a fixed number of keys (``kv_split_size``), never into a
+number of splits chosen from the grid, and the splits' partial results merge
+in a fixed order (``merge_splits``) in which a split without visible keys
+changes nothing. A sequence's output is then the same, bit for bit, whatever
+else is in the batch, wherever its pages sit in the pool, and whether its
+queries come one per step or many per chunk.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flash import ffi, validation
+
+_PAGED_TARGET = "jax_flash_gpu_paged_fwd_v1"
+# The kernel fills a key tile from boxes of this many keys, one page each
+# (cuda_src/fwd_sm90/paged_kv.py: PAGE_BOX).
+_PAGE_ALIGN = 16
+_MAX_PAGE_SIZE = 256
+# Keys per split (see kv_split_size). 1024 keys of 8 kv heads at head dim 128
+# are 4 MiB of K / V per split: a decode batch of 64 sequences at 4k keys
+# runs 2048 CTAs, one sequence at 128k keys 1024, while the partial results
+# add 8 KiB per split and sequence.
+DEFAULT_KV_SPLIT_SIZE = 1024
+
+
+def _register_cuda() -> bool:
+  library = ffi._cuda_library
+  handler = getattr(library, "JaxFlashPagedFwdCuda", None) if library is not None else None
+  # The handler exists in every CUDA build; the Hopper kernels it runs may not.
+  if handler is None or getattr(library, "jax_flash_fwd_sm90_paged", None) is None:
+    return False
+  jax.ffi.register_ffi_target(_PAGED_TARGET, jax.ffi.pycapsule(handler), platform="CUDA")
+  return True
+
+
+_CUDA_REGISTERED = _register_cuda()
+
+
+def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_lengths=None,
+                    causal: bool = True, window=None, scale: float | None = None,
+                    softcap: float | None = None, kv_split_size: int = DEFAULT_KV_SPLIT_SIZE,
+                    return_lse: bool = False, implementation: str | None = None):
+  """Attention of new tokens against a paged KV cache (forward only).
+
+  Each sequence ``b`` has ``cache_lengths[b]`` tokens in its cache, the last
+  ``query_lengths[b]`` of which are its new tokens, already written
+  (``write_paged_cache``): query row ``t`` is token ``cache_lengths[b] -
+  query_lengths[b] + t``. A decode step has one new token per sequence, a
+  prefill chunk many, and one call may mix them.
+
+  Args:
+    q: ``[batch, max_new_tokens, heads_q, head_dim]``; rows past a
+      sequence's ``query_lengths`` are padding (zero output, lse ``-inf``).
+    k_pages: ``[num_pages, page_size, heads_kv, head_dim]``; ``heads_q`` a
+      multiple of ``heads_kv``; ``page_size`` a multiple of 16 up to 256.
+    v_pages: ``[num_pages, page_size, heads_kv, head_dim_v]``.
+    page_table: int32 ``[batch, max_pages]``: token ``i`` of sequence ``b``
+      sits in page ``page_table[b, i // page_size]`` at row ``i %
+      page_size``. Entries past a sequence's last page are never read.
+    cache_lengths: int32 ``[batch]``, new tokens included. Slots past it
+      may hold anything, NaN included: no result depends on them.
+    query_lengths: int32 ``[batch]``, the new tokens per sequence;
+      ``None``: ``max_new_tokens`` for every sequence.
+    causal: a new token sees the cache up to itself (bottom-right); else
+      the whole cache.
+    window: ``(left, right)`` keys around each token's own position, as in
+      ``jax_flash.attention``.
+    scale: logit scale, ``1/sqrt(head_dim)`` by default.
+    softcap: ``softcap * tanh(logit / softcap)``, as in ``attention``.
+    kv_split_size: keys per split of the GPU kernel, a multiple of
+      ``page_size``; results are batch invariant for one value of it (the
+      split count follows each sequence's own length). Smaller splits give
+      more parallelism to short batches; each split of a prefill chunk adds
+      one partial output of the chunk's size.
+    return_lse: also return the natural-log log-sum-exp, float32
+      ``[batch, heads_q, max_new_tokens]``.
+    implementation: ``None`` runs the Hopper kernel where it applies and
+      the XLA composition elsewhere (CPU, other GPUs); ``"flash"`` raises
+      ``NotImplementedError`` instead of falling back; ``"xla"`` is the
+      composition over gathered pages.
+
+  Page ids and lengths are checked when they are concrete; inside ``jit``
+  a page id outside the pool reads zeros and lengths clip to the table.
+  No gradient is defined.
+
+  Returns:
+    ``out [batch, max_new_tokens, heads_q, head_dim_v]``, or ``(out, lse)``.
+  """
+  validation.check_implementation(implementation, (None, "flash", "xla"))
+  shapes = _check_paged(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
+                        kv_split_size)
+  scale = validation.check_scale(scale, shapes["head_dim"])
+  window_left, window_right = validation.check_window(window, "window")
+  if validation.check_flag(causal, "causal"):
+    window_right = 0 if window_right < 0 else min(window_right, 0)
+  softcap = validation.check_softcap(softcap)
+  batch, max_new = q.shape[:2]
+  if query_lengths is None:
+    query_lengths = jnp.full((batch,), max_new, jnp.int32)
+  cache_lengths = jnp.asarray(cache_lengths, jnp.int32)
+  query_lengths = jnp.asarray(query_lengths, jnp.int32)
+  page_table = jnp.asarray(page_table, jnp.int32)
+  reason = _kernel_unavailable_reason(q, shapes) if implementation != "xla" else "xla"
+  if reason is None:
+    out, lse = _paged_kernel(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
+                             scale=scale, softcap=softcap, window_left=window_left,
+                             window_right=window_right, split_keys=kv_split_size)
+  elif implementation == "flash":
+    raise NotImplementedError(f"implementation='flash': {reason}")
+  else:
+    out, lse = paged_attention_reference(
+        q, k_pages, v_pages, page_table, cache_lengths, query_lengths, scale=scale,
+        softcap=softcap, window_left=window_left, window_right=window_right)
+  return (out, lse) if return_lse else out
+
+
+def write_paged_cache(k_pages, v_pages, k, v, page_table, cache_lengths, query_lengths=None):
+  """Writes the new tokens' keys and values into their pages.
+
+  ``k`` / ``v`` are ``[batch, max_new_tokens, heads_kv, head_dim(_v)]``;
+  row ``t`` of sequence ``b`` goes to token ``cache_lengths[b] -
+  query_lengths[b] + t`` (the arguments of ``paged_attention``, so one
+  decode step passes the same lengths to both). Rows past
+  ``query_lengths[b]`` and tokens whose page id lies outside the pool are
+  dropped. Returns the new ``(k_pages, v_pages)``: under ``jit`` with the
+  pages donated (``donate_argnums``) XLA writes them in place.
+  """
+  for name, new, pages in (("k", k, k_pages), ("v", v, v_pages)):
+    if jnp.ndim(new) != 4 or jnp.ndim(pages) != 4 or jnp.shape(new)[2:] != jnp.shape(pages)[2:]:
+      raise ValueError(f"{name} must be [batch, max_new_tokens, heads_kv, dim] with the "
+                       f"(heads_kv, dim) of its pages {jnp.shape(pages)[2:]}, got shape "
+                       f"{jnp.shape(new)}")
+    if jnp.result_type(new) != jnp.result_type(pages):
+      raise ValueError(f"{name} must have its pages' dtype {jnp.result_type(pages)}, got "
+                       f"{jnp.result_type(new)}")
+  batch, max_new = jnp.shape(k)[:2]
+  if jnp.shape(v)[:2] != (batch, max_new):
+    raise ValueError(f"v must have k's leading shape {(batch, max_new)}, got {jnp.shape(v)[:2]}")
+  num_pages, page_size = jnp.shape(k_pages)[:2]
+  _check_table(page_table, cache_lengths, query_lengths, batch, max_new, num_pages, page_size)
+  if query_lengths is None:
+    query_lengths = jnp.full((batch,), max_new, jnp.int32)
+  positions = (jnp.asarray(cache_lengths, jnp.int32)[:, None]
+               - jnp.asarray(query_lengths, jnp.int32)[:, None] + jnp.arange(max_new)[None])
+  slot_of_page = jnp.clip(positions // page_size, 0, jnp.shape(page_table)[1] - 1)
+  pages = jnp.take_along_axis(jnp.asarray(page_table, jnp.int32), slot_of_page, axis=1)
+  written = ((jnp.arange(max_new)[None] < jnp.asarray(query_lengths)[:, None]) & (positions >= 0)
+             & (positions < jnp.shape(page_table)[1] * page_size)
+             & (pages >= 0) & (pages < num_pages))
+  rows = jnp.where(written, pages * page_size + positions % page_size, num_pages * page_size)
+
+  def scatter(pool, new):
+    flat = pool.reshape(num_pages * page_size, *pool.shape[2:])
+    flat = flat.at[rows.reshape(-1)].set(new.reshape(-1, *new.shape[2:]), mode="drop",
+                                         unique_indices=False)
+    return flat.reshape(pool.shape)
+
+  return scatter(k_pages, k), scatter(v_pages, v)
+
+
+def paged_attention_reference(q, k_pages, v_pages, page_table, cache_lengths, query_lengths, *,
+                              scale, softcap=0.0, window_left=-1, window_right=0):
+  """The same maths in XLA over the gathered pages, in float32: returns
+  ``(out in q's dtype, lse)``. Slots past a sequence's length never reach
+  the result (its values are zeroed before the product with P)."""
+  batch, max_new = q.shape[:2]
+  num_pages, page_size = k_pages.shape[:2]
+  max_keys = page_table.shape[1] * page_size
+  ids = jnp.asarray(page_table, jnp.int32)
+  ids = jnp.where((ids >= 0) & (ids < num_pages), ids, num_pages)  # outside the pool: zeros
+  gather = lambda pages: jnp.take(pages, ids, axis=0, mode="fill", fill_value=0).reshape(
+      batch, max_keys, *pages.shape[2:]).astype(jnp.float32)
+  keys, values = gather(k_pages), gather(v_pages)
+  group = q.shape[2] // k_pages.shape[2]
+  keys, values = jnp.repeat(keys, group, axis=2), jnp.repeat(values, group, axis=2)
+  lengths = jnp.clip(cache_lengths, 0, max_keys)
+  q_lens = jnp.clip(query_lengths, 0, max_new)
+  position = (lengths - q_lens)[:, None] + jnp.arange(max_new)[None]  # [B, T]
+  key = jnp.arange(max_keys)
+  visible = (key[None, None] < lengths[:, None, None]) & (
+      jnp.arange(max_new)[None, :, None] < q_lens[:, None, None])
+  if window_left >= 0:
+    visible &= key[None, None] >= position[..., None] - window_left
+  if window_right >= 0:
+    visible &= key[None, None] <= position[..., None] + window_right
+  logits = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), keys) * scale
+  if softcap:
+    logits = softcap * jnp.tanh(logits / softcap)
+  visible = visible[:, None]  # [B, 1, T, S]
+  logits = jnp.where(visible, logits, -jnp.inf)
+  row_max = jnp.max(logits, axis=-1, keepdims=True)
+  seen = jnp.isfinite(row_max)
+  weights = jnp.where(visible, jnp.exp(logits - jnp.where(seen, row_max, 0.0)), 0.0)
+  total = jnp.sum(weights, axis=-1, keepdims=True)
+  values = jnp.where((key[None, :] < lengths[:, None])[..., None, None], values, 0.0)
+  out = jnp.einsum("bhts,bshd->bthd", weights / jnp.where(seen, total, 1.0), values)
+  lse = jnp.where(seen, row_max + jnp.log(total), -jnp.inf)[..., 0]
+  return out.astype(q.dtype), lse
+
+
+def merge_splits(out, lse):
+  """Merges per-split results ``out [batch, splits, T, H, D]`` / ``lse
+  [batch, splits, H, T]`` into ``([batch, T, H, D] in out's dtype, lse)``.
+
+  The sums run as a halving tree over the splits padded to a power of two,
+  which is the same tree for every split count: splits without visible keys
+  (lse ``-inf``, zero output) add exact zeros, so a row's result depends
+  only on its own splits, not on how many the batch needed."""
+  splits = out.shape[1]
+  if splits == 1:
+    return out[:, 0], lse[:, 0]
+  top = jnp.max(lse, axis=1)  # exact, in any order
+  finite_top = jnp.where(jnp.isfinite(top), top, 0.0)
+  weights = jnp.exp(lse - finite_top[:, None])  # [B, n, H, T]
+  weighted = out.astype(jnp.float32) * jnp.swapaxes(weights, -1, -2)[..., None]
+  total = _halving_sum(weights)
+  merged = _halving_sum(weighted) / jnp.swapaxes(jnp.where(total > 0, total, 1.0), -1, -2)[..., None]
+  merged_lse = jnp.where(total > 0, finite_top + jnp.log(total), -jnp.inf)
+  return merged.astype(out.dtype), merged_lse
+
+
+def _halving_sum(x):
+  """Sum over axis 1 as x[:half] + x[half:] with x zero-padded to a power of
+  two along it (see merge_splits)."""
+  n = x.shape[1]
+  width = 1 << (n - 1).bit_length()
+  x = jnp.pad(x, [(0, 0), (0, width - n)] + [(0, 0)] * (x.ndim - 2))
+  while width > 1:
+    width //= 2
+    x = x[:, :width] + x[:, width:]
+  return x[:, 0]
+
+
+def _paged_kernel(q, k_pages, v_pages, page_table, cache_lengths, query_lengths, *, scale,
+                  softcap, window_left, window_right, split_keys):
+  batch, max_new, heads_q, _ = q.shape
+  page_size, heads_kv = k_pages.shape[1], k_pages.shape[2]
+  split_pages = split_keys // page_size
+  splits = -(-page_table.shape[1] // split_pages)
+  table = jnp.pad(page_table, [(0, 0), (0, splits * split_pages - page_table.shape[1])])
+  group = heads_q // heads_kv
+  # One new token per sequence sees every key of its cache (unless a left
+  # window moves with it): its GQA group's heads share a tile as rows.
+  packed = max_new == 1 and group > 1 and window_left < 0
+  rows, q_lens = q, query_lengths
+  if packed:
+    rows = q.reshape(batch, heads_kv, group, q.shape[-1]).transpose(0, 2, 1, 3)
+    q_lens = query_lengths * group
+    window_right = -1
+  seq_rows, heads = rows.shape[1], rows.shape[2]
+  out_types = (
+      jax.ShapeDtypeStruct((batch * splits, seq_rows, heads, v_pages.shape[-1]), q.dtype),
+      jax.ShapeDtypeStruct((batch * splits, heads, seq_rows), jnp.float32),
+  )
+  kernel = jax.ffi.ffi_call(_PAGED_TARGET, out_types)
+  out, lse = kernel(rows, k_pages, v_pages, table, q_lens, cache_lengths,
+                    scale=np.float32(scale), softcap=np.float32(softcap),
+                    window_left=np.int32(window_left), window_right=np.int32(window_right),
+                    split_pages=np.int32(split_pages))
+  out, lse = merge_splits(out.reshape(batch, splits, *out.shape[1:]),
+                          lse.reshape(batch, splits, *lse.shape[1:]))
+  if packed:
+    out = out.transpose(0, 2, 1, 3).reshape(batch, 1, heads_q, out.shape[-1])
+    lse = lse.transpose(0, 2, 1).reshape(batch, heads_q, 1)
+  # Padding rows come out of the kernel as whatever their queries made of
+  # them (NaN for NaN): zero, as documented.
+  padding = jnp.arange(max_new)[None, :, None, None] >= query_lengths[:, None, None, None]
+  return jnp.where(padding, jnp.zeros((), out.dtype), out), lse
+
+
+def _kernel_unavailable_reason(q, shapes) -> str | None:
+  platform = _platform_of(q)
+  if platform != "gpu":
+    return f"jax_flash has no paged kernel for platform {platform!r} yet"
+  if not _CUDA_REGISTERED:
+    return "this installation holds no paged GPU kernel"
+  capability = ffi.gpu_compute_capability()
+  if capability is None or capability[0] != 9:
+    return f"the paged kernel needs a Hopper GPU (compute capability 9.x), got {capability}"
+  if np.dtype(q.dtype) not in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)):
+    return f"the paged kernel supports float16 and bfloat16, got {np.dtype(q.dtype).name}"
+  if shapes["head_dim"] not in (64, 128, 256) or shapes["head_dim_v"] != shapes["head_dim"]:
+    return ("the paged kernel supports head_dim == head_dim_v in (64, 128, 256), got "
+            f"{shapes['head_dim']} and {shapes['head_dim_v']}")
+  return None
+
+
+def _platform_of(x) -> str:
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    return next(iter(x.devices())).platform
+  return jax.default_backend()
+
+
+def _check_paged(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
+                 kv_split_size) -> dict:
+  if jnp.ndim(q) != 4:
+    raise ValueError("q must have rank 4 [batch, max_new_tokens, heads_q, head_dim], got shape "
+                     f"{jnp.shape(q)}")
+  for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
+    if jnp.ndim(pages) != 4:
+      raise ValueError(f"{name} must have rank 4 [num_pages, page_size, heads_kv, dim], got "
+                       f"shape {jnp.shape(pages)}")
+  batch, max_new, heads_q, head_dim = jnp.shape(q)
+  num_pages, page_size, heads_kv, key_dim = jnp.shape(k_pages)
+  if jnp.shape(v_pages)[:3] != (num_pages, page_size, heads_kv):
+    raise ValueError(f"v_pages must have k_pages' leading shape {(num_pages, page_size, heads_kv)}, "
+                     f"got {jnp.shape(v_pages)[:3]}")
+  if key_dim != head_dim:
+    raise ValueError(f"k_pages must have q's head_dim {head_dim}, got {key_dim}")
+  if head_dim == 0 or heads_kv == 0 or heads_q % heads_kv:
+    raise ValueError(f"heads_q must be a positive multiple of heads_kv and head_dim positive, got "
+                     f"heads_q={heads_q}, heads_kv={heads_kv}, head_dim={head_dim}")
+  dtypes = {jnp.result_type(x) for x in (q, k_pages, v_pages)}
+  if len(dtypes) != 1:
+    raise ValueError(f"q, k_pages and v_pages must share one dtype, got {sorted(map(str, dtypes))}")
+  if page_size % _PAGE_ALIGN or not _PAGE_ALIGN <= page_size <= _MAX_PAGE_SIZE:
+    raise ValueError(f"page_size must be a multiple of {_PAGE_ALIGN} from {_PAGE_ALIGN} to "
+                     f"{_MAX_PAGE_SIZE}, got {page_size}")
+  if (isinstance(kv_split_size, bool) or not isinstance(kv_split_size, (int, np.integer))
+      or kv_split_size <= 0 or kv_split_size % page_size):
+    raise ValueError(f"kv_split_size must be a positive multiple of page_size {page_size}, got "
+                     f"{kv_split_size!r}")
+  _check_table(page_table, cache_lengths, query_lengths, batch, max_new, num_pages, page_size)
+  return {"head_dim": head_dim, "head_dim_v": jnp.shape(v_pages)[3]}
+
+
+def _check_table(page_table, cache_lengths, query_lengths, batch, max_new, num_pages, page_size):
+  """Shapes always; values where they are concrete (outside jit)."""
+  if jnp.ndim(page_table) != 2 or jnp.shape(page_table)[0] != batch:
+    raise ValueError(f"page_table must be [batch={batch}, max_pages], got shape "
+                     f"{jnp.shape(page_table)}")
+  for name, lengths in (("cache_lengths", cache_lengths), ("query_lengths", query_lengths)):
+    if lengths is None:
+      continue
+    if jnp.shape(lengths) != (batch,):
+      raise ValueError(f"{name} must have shape ({batch},), got {jnp.shape(lengths)}")
+    if not jnp.issubdtype(jnp.result_type(lengths), jnp.integer):
+      raise ValueError(f"{name} must be integers, got {jnp.result_type(lengths)}")
+  for name, x in (("page_table", page_table), ("cache_lengths", cache_lengths)):
+    if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+      raise ValueError(f"{name} must be integers, got {jnp.result_type(x)}")
+  traced = [x for x in (page_table, cache_lengths, query_lengths)
+            if isinstance(x, jax.core.Tracer)]
+  if traced:
+    return
+  table = np.asarray(page_table)
+  lengths = np.asarray(cache_lengths)
+  new = np.full(batch, max_new) if query_lengths is None else np.asarray(query_lengths)
+  capacity = table.shape[1] * page_size
+  for b in np.flatnonzero((new < 0) | (new > max_new))[:1]:
+    raise ValueError(f"query_lengths[{b}] must be in [0, {max_new}], got {new[b]}")
+  for b in np.flatnonzero((lengths < new) | (lengths > capacity))[:1]:
+    raise ValueError(f"cache_lengths[{b}] must be in [query_lengths[{b}]={new[b]}, "
+                     f"max_pages * page_size={capacity}], got {lengths[b]}")
+  used = np.arange(table.shape[1])[None] < -(-lengths[:, None] // page_size)
+  bad = used & ((table < 0) | (table >= num_pages))
+  for b, slot in np.argwhere(bad)[:1]:
+    raise ValueError(f"page_table[{b}, {slot}] = {table[b, slot]} holds tokens of the first "
+                     f"cache_lengths[{b}]={lengths[b]}; page ids must be in [0, "
+                     f"num_pages={num_pages})")

@@ -1,0 +1,271 @@
+"""jax_flash.paged_attention and write_paged_cache: the maths against a
+float64 reference on contiguous keys, page placement, poisoned unused slots,
+batch invariance, the cache write, and the errors."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+import numerics
+from jax_flash import paged
+
+
+def make_batch(seed, cache_lengths, query_lengths, *, page_size, heads_q=8, heads_kv=2,
+               head_dim=64, dtype=jnp.float32, max_pages=None, spare_pages=3):
+  """A ragged batch in a shuffled page pool whose unused slots and pages hold
+  NaN and Inf. Returns (inputs for paged_attention, per-sequence contiguous
+  keys and values)."""
+  rng = np.random.default_rng(seed)
+  batch = len(cache_lengths)
+  pages_of = [-(-n // page_size) for n in cache_lengths]
+  max_pages = max_pages or max(max(pages_of), 1)
+  num_pages = sum(pages_of) + spare_pages
+  order = rng.permutation(num_pages)
+  table = np.full((batch, max_pages), -1, np.int32)  # never read past a sequence's pages
+  shape = (num_pages, page_size, heads_kv, head_dim)
+  poison = np.where(rng.random(shape) < 0.5, np.nan, np.inf).astype(np.float32)
+  k_pool, v_pool = poison.copy(), -poison
+  keys, values, used = [], [], 0
+  for b, n in enumerate(cache_lengths):
+    table[b, :pages_of[b]] = order[used:used + pages_of[b]]
+    used += pages_of[b]
+    k = rng.standard_normal((n, heads_kv, head_dim)).astype(np.float32)
+    v = rng.standard_normal((n, heads_kv, head_dim)).astype(np.float32)
+    k, v = (np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) for x in (k, v))
+    token = np.arange(n)
+    k_pool[table[b, token // page_size], token % page_size] = k
+    v_pool[table[b, token // page_size], token % page_size] = v
+    keys.append(k)
+    values.append(v)
+  max_new = max(max(query_lengths), 1)
+  q = rng.standard_normal((batch, max_new, heads_q, head_dim)).astype(np.float32)
+  for b, n in enumerate(query_lengths):
+    q[b, n:] = np.nan  # padding rows
+  inputs = dict(q=jnp.asarray(q, dtype), k_pages=jnp.asarray(k_pool, dtype),
+                v_pages=jnp.asarray(v_pool, dtype), page_table=jnp.asarray(table),
+                cache_lengths=jnp.asarray(cache_lengths, jnp.int32),
+                query_lengths=jnp.asarray(query_lengths, jnp.int32))
+  return inputs, keys, values
+
+
+def dense_reference(inputs, keys, values, *, causal=True, window=None, scale=None, softcap=None,
+                    dtype=np.float64):
+  """(out, lse) sequence by sequence over contiguous keys, computed in
+  `dtype` (np.float64: the reference; the input dtype: the naive kernel)."""
+  q = inputs["q"]
+  batch, max_new, heads_q, head_dim = q.shape
+  group = heads_q // keys[0].shape[1]
+  scale = 1 / np.sqrt(head_dim) if scale is None else scale
+  left, right = (-1, -1) if window is None else window
+  if causal:
+    right = 0 if right < 0 else min(right, 0)
+  out = np.zeros((batch, max_new, heads_q, values[0].shape[-1]))
+  lse = np.full((batch, heads_q, max_new), -np.inf)
+  if dtype == np.float64:
+    cast, einsum = (lambda x: np.asarray(x, np.float64)), np.einsum
+  else:
+    cast = lambda x: jnp.asarray(x, dtype)
+    einsum = lambda *args: np.asarray(jnp.einsum(*args).astype(jnp.float32), np.float64)
+  for b, n in enumerate(np.asarray(inputs["cache_lengths"])):
+    new = int(inputs["query_lengths"][b])
+    if new == 0 or n == 0:
+      continue
+    qb = cast(np.asarray(jnp.asarray(q[b, :new], jnp.float32)))
+    kb, vb = (cast(np.repeat(x, group, axis=1)) for x in (keys[b], values[b]))
+    logits = einsum("thd,shd->hts", qb, kb) * scale
+    if softcap:
+      logits = softcap * np.tanh(logits / softcap)
+    pos = n - new + np.arange(new)[:, None]
+    key = np.arange(n)[None]
+    visible = np.ones((new, n), bool)
+    if left >= 0:
+      visible &= key >= pos - left
+    if right >= 0:
+      visible &= key <= pos + right
+    logits = np.where(visible[None], logits, -np.inf)
+    top = logits.max(-1, keepdims=True)
+    seen = np.isfinite(top)
+    weights = np.where(visible[None], np.exp(logits - np.where(seen, top, 0)), 0)
+    total = weights.sum(-1, keepdims=True)
+    probs = weights / np.where(seen, total, 1)
+    out[b, :new] = einsum("hts,shd->thd", cast(probs), vb)
+    lse[b, :, :new] = np.where(seen, top + np.log(np.where(seen, total, 1)), -np.inf)[..., 0]
+  return out, lse
+
+
+def run_paged(inputs, implementation, **kwargs):
+  call = jax.jit(functools.partial(paged.paged_attention, return_lse=True,
+                                   implementation=implementation, **kwargs))
+  out, lse = call(**inputs)
+  return np.asarray(out.astype(jnp.float32), np.float64), np.asarray(lse, np.float64)
+
+
+# Awkward lengths, ragged new tokens (decode, speculative, prefill chunks,
+# an empty slot), GQA.
+BATCHES = [
+    ([1, 17, 1000, 4097], [1, 1, 1, 1]),
+    ([17, 300, 5, 129], [3, 17, 5, 0]),
+    ([4097, 70], [200, 1]),
+]
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"causal": False}, {"window": (33, 0), "softcap": 5.0}])
+def test_reference_matches_float64(kwargs):
+  for (lengths, new), page_size in zip(BATCHES, (16, 64, 32)):
+    inputs, keys, values = make_batch(0, lengths, new, page_size=page_size)
+    out, lse = run_paged(inputs, "xla", **kwargs)
+    ref_out, ref_lse = dense_reference(inputs, keys, values, **kwargs)
+    np.testing.assert_allclose(out, ref_out, atol=2e-5, rtol=1e-4)
+    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(ref_lse))
+    np.testing.assert_allclose(lse[np.isfinite(lse)], ref_lse[np.isfinite(ref_lse)],
+                               atol=2e-5, rtol=1e-5)
+
+
+def test_merge_splits_ignores_empty_splits_bitwise():
+  rng = np.random.default_rng(1)
+  out = jnp.asarray(rng.standard_normal((2, 3, 4, 2, 8)), jnp.bfloat16)
+  lse = jnp.asarray(rng.standard_normal((2, 3, 2, 4)), jnp.float32)
+  merged = paged.merge_splits(out, lse)
+  for extra in (1, 2, 5, 13):
+    padded_out = jnp.concatenate([out, jnp.zeros((2, extra, 4, 2, 8), out.dtype)], axis=1)
+    padded_lse = jnp.concatenate([lse, jnp.full((2, extra, 2, 4), -jnp.inf)], axis=1)
+    for got, want in zip(paged.merge_splits(padded_out, padded_lse), merged):
+      np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                    np.asarray(want.astype(jnp.float32)))
+
+
+def test_write_paged_cache_places_tokens_and_drops_padding():
+  inputs, keys, values = make_batch(2, [5, 40, 16], [2, 0, 16], page_size=16, heads_kv=2,
+                                    head_dim=8)
+  new_k = jax.random.normal(jax.random.key(3), (3, 16, 2, 8))
+  new_v = -new_k
+  k_pages, v_pages = jax_flash.write_paged_cache(
+      inputs["k_pages"], inputs["v_pages"], new_k, new_v, inputs["page_table"],
+      inputs["cache_lengths"], inputs["query_lengths"])
+  table = np.asarray(inputs["page_table"])
+  written = np.zeros(k_pages.shape[:2], bool)
+  for b, (n, new) in enumerate(zip([5, 40, 16], [2, 0, 16])):
+    for t in range(new):
+      page, row = table[b, (n - new + t) // 16], (n - new + t) % 16
+      np.testing.assert_array_equal(k_pages[page, row], new_k[b, t])
+      np.testing.assert_array_equal(v_pages[page, row], new_v[b, t])
+      written[page, row] = True
+  old = np.asarray(inputs["k_pages"])
+  np.testing.assert_array_equal(np.asarray(k_pages)[~written], old[~written])
+
+
+def test_decode_step_writes_the_donated_cache_in_place():
+  inputs, _, _ = make_batch(4, [100, 37], [1, 1], page_size=16, heads_kv=2, head_dim=64)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(k_pages, v_pages, q, k, v, table, lengths):
+    k_pages, v_pages = jax_flash.write_paged_cache(k_pages, v_pages, k, v, table, lengths)
+    return jax_flash.paged_attention(q, k_pages, v_pages, table, lengths), k_pages, v_pages
+
+  new = jnp.ones((2, 1, 2, 64))
+  args = (inputs["k_pages"], inputs["v_pages"], inputs["q"], new, new, inputs["page_table"],
+          inputs["cache_lengths"])
+  cache_bytes = inputs["k_pages"].nbytes
+  # Both pools come back in the donated buffers, not in copies ...
+  assert step.lower(*args).compile().memory_analysis().alias_size_in_bytes >= 2 * cache_bytes
+  # ... and the write itself needs no scratch of the pools' size.
+  write = jax.jit(jax_flash.write_paged_cache, donate_argnums=(0, 1))
+  memory = write.lower(*args[:2], new, new, *args[5:]).compile().memory_analysis()
+  assert memory.alias_size_in_bytes >= 2 * cache_bytes
+  assert memory.temp_size_in_bytes < cache_bytes // 10
+
+
+def test_errors():
+  inputs, _, _ = make_batch(5, [20, 3], [1, 1], page_size=16)
+  call = lambda **changes: jax_flash.paged_attention(**{**inputs, **changes})
+  with pytest.raises(ValueError, match=r"page_table\[1, 0\] = 99 .* page ids must be in \[0, "):
+    call(page_table=inputs["page_table"].at[1, 0].set(99))
+  with pytest.raises(ValueError, match=r"cache_lengths\[0\] must be in \[query_lengths\[0\]=1, "
+                                       r"max_pages \* page_size=32\], got 33"):
+    call(cache_lengths=jnp.asarray([33, 3], jnp.int32))
+  with pytest.raises(ValueError, match=r"page_table must be \[batch=2, max_pages\]"):
+    call(page_table=inputs["page_table"][:1])
+  with pytest.raises(ValueError, match="page_size must be a multiple of 16 from 16 to 256, got 8"):
+    call(k_pages=inputs["k_pages"][:, :8], v_pages=inputs["v_pages"][:, :8])
+  with pytest.raises(ValueError, match="kv_split_size must be a positive multiple of page_size 16, "
+                                       "got 40"):
+    call(kv_split_size=40)
+  with pytest.raises(ValueError, match=r"query_lengths\[1\] must be in \[0, 1\], got 2"):
+    call(query_lengths=jnp.asarray([1, 2], jnp.int32))
+  with pytest.raises(ValueError, match="must share one dtype"):
+    call(q=inputs["q"].astype(jnp.bfloat16))
+  if jax.default_backend() == "cpu":
+    with pytest.raises(NotImplementedError, match="no paged kernel for platform 'cpu'"):
+      call(implementation="flash")
+
+
+@pytest.mark.gpu
+class TestPagedGpu:
+  # conftest.py parametrises the tests' dtype and head_dim from these.
+  dtypes = (jnp.bfloat16, jnp.float16)
+  head_dims = (64, 128, 256)
+
+  @pytest.mark.parametrize("page_size", [16, 64, 256])
+  def test_matches_reference(self, dtype, head_dim, page_size):
+    for lengths, new in BATCHES:
+      inputs, keys, values = make_batch(head_dim + page_size, lengths, new, page_size=page_size,
+                                        head_dim=head_dim, dtype=dtype)
+      for kwargs in ({}, {"causal": False}, {"window": (100, 0), "softcap": 8.0}):
+        got = run_paged(inputs, "flash", kv_split_size=max(page_size, 256), **kwargs)
+        ref = dense_reference(inputs, keys, values, **kwargs)
+        naive = dense_reference(inputs, keys, values, dtype=dtype, **kwargs)
+        for name, g, r, n in zip(("out", "lse"), got, ref, naive):
+          numerics.assert_within_tolerance(f"{name} {lengths} {new} {kwargs}", g, r, n, dtype,
+                                           reduction=max(lengths))
+
+  @pytest.mark.parametrize("heads", [(8, 8), (8, 1), (32, 8)])
+  def test_grouped_heads(self, heads):
+    inputs, keys, values = make_batch(7, [1000, 33], [1, 4], page_size=32, heads_q=heads[0],
+                                      heads_kv=heads[1], head_dim=128, dtype=jnp.bfloat16)
+    got = run_paged(inputs, "flash")
+    ref = dense_reference(inputs, keys, values)
+    naive = dense_reference(inputs, keys, values, dtype=jnp.bfloat16)
+    for name, g, r, n in zip(("out", "lse"), got, ref, naive):
+      numerics.assert_within_tolerance(name, g, r, n, jnp.bfloat16, reduction=1000)
+
+  def test_batch_invariant(self):
+    """One sequence's rows, bitwise: alone, in another slot of a larger
+    batch beside other lengths, with its pages moved, and computed as the
+    last row of a prefill chunk rather than as a decode step."""
+    lengths, page = 3000, 16
+    inputs, _, _ = make_batch(8, [lengths], [1], page_size=page, head_dim=128,
+                              dtype=jnp.bfloat16)
+    alone, alone_lse = run_paged(inputs, "flash")
+    others, _, _ = make_batch(9, [70, 5000, lengths, 1], [1, 1, 1, 1], page_size=page,
+                              head_dim=128, dtype=jnp.bfloat16, spare_pages=40)
+    # Sequence 2 of the larger batch gets the first batch's keys, query and pages' contents.
+    table = np.asarray(others["page_table"])
+    k_pages, v_pages = np.asarray(others["k_pages"]), np.asarray(others["v_pages"])
+    source = np.asarray(inputs["page_table"])[0]
+    for i in range(-(-lengths // page)):
+      k_pages[table[2, i]] = np.asarray(inputs["k_pages"])[source[i]]
+      v_pages[table[2, i]] = np.asarray(inputs["v_pages"])[source[i]]
+    others.update(k_pages=jnp.asarray(k_pages), v_pages=jnp.asarray(v_pages),
+                  q=others["q"].at[2].set(inputs["q"][0]))
+    mixed, mixed_lse = run_paged(others, "flash")
+    np.testing.assert_array_equal(mixed[2], alone[0])
+    np.testing.assert_array_equal(mixed_lse[2], alone_lse[0])
+    # The same token as the last of a 37-token prefill chunk.
+    chunk = 37
+    prefill = dict(inputs, q=jnp.concatenate(
+        [jax.random.normal(jax.random.key(1), (1, chunk - 1, 8, 128), jnp.bfloat16),
+         inputs["q"]], axis=1), query_lengths=jnp.asarray([chunk], jnp.int32))
+    chunked, chunked_lse = run_paged(prefill, "flash")
+    np.testing.assert_array_equal(chunked[0, -1], alone[0, 0])
+    np.testing.assert_array_equal(chunked_lse[0, :, -1], alone_lse[0, :, 0])
+
+  def test_empty_and_padded_rows(self):
+    inputs, keys, values = make_batch(10, [0, 50], [0, 3], page_size=16, head_dim=64,
+                                      dtype=jnp.bfloat16)
+    out, lse = run_paged(inputs, "flash")
+    assert np.all(out[0] == 0) and np.all(lse[0] == -np.inf)
+    assert np.all(np.isfinite(out[1]))
