@@ -158,10 +158,20 @@ def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None
     return_lse: also return the log-sum-exp of the scaled, masked logits,
       float32 ``[batch, heads_q, seq_q]`` (``-inf`` for rows that see no key).
     implementation: ``None`` (default) runs the kernels of the platform the
-      inputs live on (CPU or CUDA GPU) and falls back to plain XLA for cases
-      those kernels do not cover; ``"flash"`` does the same but raises
-      ``NotImplementedError`` instead of falling back; ``"cpu"`` / ``"gpu"``
-      force one kernel backend; ``"xla"`` is the plain XLA composition.
+      computation is lowered for (CPU or CUDA GPU; ``jax.export`` for other
+      platforms than the exporting host's gets theirs) and falls back to
+      plain XLA for cases those kernels do not cover; ``"flash"`` does the
+      same but raises ``NotImplementedError`` instead of falling back (when
+      tracing for the inputs' platform, when lowering for another);
+      ``"cpu"`` / ``"gpu"`` force one kernel backend; ``"xla"`` is the plain
+      XLA composition.
+
+  NaN and Inf: a non-finite value in a position a query row sees makes that
+  row's output (and, in q or k, its lse) NaN or Inf, as in a float32
+  reference; positions a row does not see (past the lengths, other
+  documents, outside the window or the causal mask) never reach its output,
+  lse or gradients, whatever they hold. (So far the CPU kernels and XLA;
+  not yet the GPU kernels.)
 
   Returns:
     ``out [batch, seq_q, heads_q, head_dim_v]``, or ``(out, lse)``.

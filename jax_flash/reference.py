@@ -186,11 +186,12 @@ def backward_like_kernels(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_
   dq = scale * jnp.einsum("bkgts,bskh->btkgh", dscores, as_acc(k))
   dk = scale * jnp.einsum("bkgts,btkgh->bskh", dscores, as_acc(grouped(q)))
   dv = jnp.einsum("bkgts,btkgd->bskd", probs, as_acc(dout_g))
-  # A NaN or Inf in dout reaches the dv of the keys its row sees.
-  dout_seen = jnp.einsum("bts,btkgd->bskd",
+  # A NaN or Inf in a row of dout reaches the dv rows of the keys its row
+  # sees (as it does in the CPU kernels).
+  dout_seen = jnp.einsum("bts,btk->bsk",
                          jnp.broadcast_to(visible[:, 0], (batch, seq_q, seq_k)).astype(jnp.float32),
-                         (~jnp.isfinite(dout_g)).astype(jnp.float32)) > 0
-  dv = jnp.where(dout_seen, jnp.nan, dv)
+                         (~_rows_finite(dout_g)).any(axis=-1).astype(jnp.float32)) > 0
+  dv = jnp.where(dout_seen[..., None], jnp.nan, dv)
   unflat = lambda x, dtype: x.reshape(*lead, *x.shape[1:]).astype(dtype)
   return (unflat(dq.reshape(batch, seq_q, heads_q, head_dim), acc_dtype), unflat(dk, k.dtype),
           unflat(dv, v.dtype))
