@@ -95,7 +95,7 @@ def _static_number(value, name: str, expected: str) -> float:
 
 def check_scale(scale, head_dim: int) -> float:
   if scale is None:
-    return 1.0 / math.sqrt(head_dim)
+    return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
   value = _static_number(scale, "scale", "None or a Python number")
   if not math.isfinite(value):
     raise ValueError(f"scale must be finite, got {value}")
