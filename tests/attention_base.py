@@ -15,6 +15,7 @@ import pytest
 
 import jax_flash
 import numerics
+from jax_flash import reference
 
 
 def run_attention(q, k, v, dout, implementation, **kwargs):
@@ -55,6 +56,43 @@ def packed_segment_ids(seed, batch, seq, num_docs, padding=0):
     lengths = np.diff(np.concatenate([[0], cuts, [seq - padding]]))
     rows.append(np.concatenate([np.repeat(np.arange(num_docs), lengths), -np.ones(padding)]))
   return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+def visibility(batch, seq_q, seq_k, **mask) -> np.ndarray:
+  """Bool [batch, seq_q, seq_k]: which key each query sees (mask_kwargs' mask)."""
+  visible = reference.visible_mask(seq_q, seq_k, **mask)[:, 0]
+  return np.broadcast_to(np.asarray(visible), (batch, seq_q, seq_k))
+
+
+def poison(x, rows, seed):
+  """``x`` [B, T, heads, D] with the rows ``rows`` [B, T] (bool) holding NaN,
+  +Inf and -Inf, mixed."""
+  values = np.asarray([np.nan, np.inf, -np.inf], np.float32)
+  pick = values[np.random.default_rng(seed).integers(0, 3, x.shape)]
+  return jnp.where(jnp.asarray(rows)[:, :, None, None], jnp.asarray(pick, x.dtype), x)
+
+
+def assert_unaffected_equal(clean, poisoned, visible, bad_q, bad_k):
+  """The results that no poisoned position may reach equal the clean run's.
+
+  ``bad_q`` [B, T]: query rows whose q and dout were poisoned; ``bad_k``
+  [B, S]: key rows whose k and v were. A query row is reached when it is
+  poisoned and sees a key, or sees a poisoned key; a key row when a reached
+  row sees it, or it is poisoned and some row sees it. Every other entry of
+  out, lse, dq, dk and dv must be bitwise what it was. Returns the reached
+  query rows.
+  """
+  sees_any = visible.any(axis=2)
+  reached_q = (bad_q & sees_any) | (visible & bad_k[:, None, :]).any(axis=2)
+  reached_k = (visible & reached_q[:, :, None]).any(axis=1) | (bad_k & visible.any(axis=1))
+  out, lse, dq, dk, dv = clean
+  p_out, p_lse, p_dq, p_dk, p_dv = poisoned
+  keep_q, keep_k = ~reached_q, ~reached_k
+  for name, a, b, keep in (("out", out, p_out, keep_q), ("dq", dq, p_dq, keep_q),
+                           ("lse", np.swapaxes(lse, 1, 2), np.swapaxes(p_lse, 1, 2), keep_q),
+                           ("dk", dk, p_dk, keep_k), ("dv", dv, p_dv, keep_k)):
+    np.testing.assert_array_equal(b[keep], a[keep], err_msg=f"{name}: a masked NaN / Inf leaked")
+  return reached_q
 
 
 class AttentionTestBase:
@@ -453,3 +491,120 @@ class AttentionTestBase:
       chex.assert_trees_all_close(packed[start:end], alone[0], atol=1e-2 if
                                   self.dtypes[0] != jnp.float32 else 1e-5, rtol=1e-2)
     assert np.all(np.asarray(packed[offsets[-1]:]) == 0)
+
+  # NaN semantics (issue 45): a NaN or Inf reaches exactly the query rows
+  # that see it; nothing a row does not see reaches its out, lse or
+  # gradients, nor the gradients of the keys it sees.
+
+  @pytest.fixture
+  def nan_semantics(self, request):
+    if self.implementation == "gpu":
+      request.applymarker(pytest.mark.xfail(
+          reason="issue 45: the GPU kernels do not have the NaN semantics yet", strict=False))
+
+  def _poisoned_pair(self, *, batch=2, seq_q=150, seq_k=170, heads_q=4, heads_kv=2,
+                     head_dim=None, bad_q=None, bad_k=None, seed=30, **kwargs):
+    """(clean, poisoned results, visibility) of one problem, its bad_q query
+    rows (q and dout) and bad_k key rows (k and v) poisoned."""
+    head_dim = head_dim or self.head_dims[0]
+    dtype = self.dtypes[0]
+    q, k, v, dout = numerics.random_qkv(seed, batch, seq_q, seq_k, heads_q, heads_kv, head_dim,
+                                        dtype)
+    options = {name: kwargs[name] for name in ("causal", "window", "segment_ids") if name in kwargs}
+    lengths = dict(query_seq_lengths=kwargs.get("q_lens"),
+                   key_value_seq_lengths=kwargs.get("kv_lens"))
+    clean = run_attention(q, k, v, dout, self.implementation, **options, **lengths)
+    bad_q = np.zeros((batch, seq_q), bool) if bad_q is None else bad_q
+    bad_k = np.zeros((batch, seq_k), bool) if bad_k is None else bad_k
+    poisoned = run_attention(poison(q, bad_q, seed), poison(k, bad_k, seed + 1),
+                             poison(v, bad_k, seed + 2), poison(dout, bad_q, seed + 3),
+                             self.implementation, **options, **lengths)
+    visible = visibility(batch, seq_q, seq_k, **mask_kwargs(
+        seq_q, seq_k, kwargs.get("causal", False), kwargs.get("window"), kwargs.get("q_lens"),
+        kwargs.get("kv_lens"), kwargs.get("segment_ids")))
+    return clean, poisoned, visible, bad_q, bad_k
+
+  @pytest.mark.parametrize("case", ["past-lengths", "decode-past-lengths", "rows-without-keys",
+                                    "padding-documents", "other-documents", "outside-window",
+                                    "interleaved-documents"])
+  def test_masked_nan_and_inf_never_reach_results(self, case, nan_semantics):
+    batch, seq_q, seq_k = 2, 150, 170
+    bad_q, bad_k = np.zeros((batch, seq_q), bool), np.zeros((batch, seq_k), bool)
+    kw = {}
+    if case == "decode-past-lengths":
+      # Unused cache slots; GQA heads packed into one tile (head_packing.py).
+      seq_q = 3
+      bad_q = np.zeros((batch, seq_q), bool)
+      kw = dict(kv_lens=jnp.array([40, 170], jnp.int32), causal=True, heads_q=8, heads_kv=2)
+      bad_k[0, 40:] = True
+    elif case == "past-lengths":
+      kw = dict(q_lens=jnp.array([150, 61], jnp.int32), kv_lens=jnp.array([101, 170], jnp.int32),
+                causal=True)
+      bad_q[1, 61:] = True
+      bad_k[0, 101:] = True
+    elif case == "rows-without-keys":
+      seq_q = 230  # bottom-right causal: the first 60 query rows see no key
+      bad_q = np.zeros((batch, seq_q), bool)
+      bad_q[:, :60] = True
+      kw = dict(causal=True)
+    elif case == "padding-documents":
+      # Query padding (id -1) and a key document no query has (id 9).
+      q_ids = packed_segment_ids(31, batch, seq_q, num_docs=3, padding=20)
+      kv_ids = np.asarray(packed_segment_ids(32, batch, seq_k, num_docs=3)).copy()
+      kv_ids[:, 140:] = 9
+      kw = dict(segment_ids=(q_ids, jnp.asarray(kv_ids)))
+      bad_q[:, -20:] = True
+      bad_k[:, 140:] = True
+    elif case in ("other-documents", "interleaved-documents"):
+      seq_q = seq_k = 170
+      bad_q = np.zeros((batch, seq_q), bool)
+      if case == "other-documents":
+        ids = np.asarray(packed_segment_ids(33, batch, seq_q, num_docs=4))
+      else:  # ids drawn per token: documents that share every kernel tile
+        ids = np.random.default_rng(34).integers(0, 3, (batch, seq_q)).astype(np.int32)
+      bad_q = bad_k = ids == 1  # one whole document poisoned
+      kw = dict(segment_ids=jnp.asarray(ids), causal=True)
+    else:  # keys outside some rows' windows
+      bad_k[:, 80:84] = True
+      kw = dict(window=(30, 10))
+    clean, poisoned, visible, bad_q, bad_k = self._poisoned_pair(
+        batch=batch, seq_q=seq_q, seq_k=seq_k, bad_q=bad_q, bad_k=bad_k, **kw)
+    reached = assert_unaffected_equal(clean, poisoned, visible, bad_q, bad_k)
+    if case in ("other-documents", "interleaved-documents", "outside-window"):
+      assert reached.any() and not reached.all()
+      # The rows that see a poisoned position output NaN or Inf.
+      assert not np.isfinite(poisoned[0][reached]).all(axis=(-2, -1)).any()
+    else:
+      assert not reached.any()
+
+  @pytest.mark.parametrize("where", ["q", "k", "v-inf", "overflow"])
+  def test_visible_nan_and_inf_propagate(self, where, nan_semantics):
+    # One entry poisoned where some rows see it: those rows' outputs are not
+    # finite (and their lse NaN for a logit), everything else as it was.
+    batch, seq, heads_q, heads_kv = 1, 130, 4, 2
+    head_dim, dtype = self.head_dims[0], self.dtypes[0]
+    q, k, v, dout = numerics.random_qkv(35, batch, seq, seq, heads_q, heads_kv, head_dim, dtype)
+    kw = dict(causal=True, window=(40, None))
+    clean = run_attention(q, k, v, dout, self.implementation, **kw)
+    row, key = 90, 70
+    if where == "q":
+      q = q.at[0, row, 1, 3].set(jnp.nan)
+    elif where == "k":
+      k = k.at[0, key, 0, 5].set(jnp.nan)
+    elif where == "v-inf":
+      v = v.at[0, key, 0, 5].set(jnp.inf)
+    else:  # a finite q whose logits overflow float32
+      q = q.at[0, row, 1].set(jnp.asarray(jnp.finfo(dtype).max / 4, dtype))
+    out, lse = run_attention(q, k, v, dout, self.implementation, **kw)[:2]
+    visible = visibility(batch, seq, seq, **mask_kwargs(seq, seq, **kw))[0]
+    expected = np.zeros((seq, heads_q), bool)  # rows x heads reached
+    if where in ("q", "overflow"):
+      expected[row, 1] = True
+    else:
+      expected[visible[:, key], :2] = True  # query heads 0 and 1 share kv head 0
+    reached_out = ~np.isfinite(out).all(axis=-1)[0] if where != "v-inf" else ~np.isfinite(
+        out[0, :, :, 5])
+    np.testing.assert_array_equal(reached_out, expected)
+    lse_nan = np.isnan(lse[0]).T
+    np.testing.assert_array_equal(lse_nan, expected if where != "v-inf" else False)
+    np.testing.assert_array_equal(out[0][~expected], clean[0][0][~expected])

@@ -100,13 +100,22 @@ inline float select(bool c, float a, float b) {
   return bits_float((float_bits(a) & mask) | (float_bits(b) & ~mask));
 }
 
+inline bool is_finite(float x) {
+  return (float_bits(x) & 0x7f800000u) != 0x7f800000u;
+}
+
+// x unless x is NaN, else y; branch-free.
+inline float nan_or(float x, float y) { return select(x != x, x, y); }
+
 // 2^x, branch-free so loops over it vectorise: x = n + f with n = round(x)
 // (from a truncating conversion, which no compiler flag folds away), then a
 // degree-7 Taylor polynomial of 2^f for |f| <= 1/2 (truncation error ~5e-9,
-// below half an ulp). x <= -126.5 (including -inf and NaN) gives exactly 0,
-// which is how masked and unseen scores vanish.
+// below half an ulp). x <= -126.5 (including -inf) gives exactly 0, which is
+// how masked and unseen scores vanish; NaN stays NaN, so a NaN score reaches
+// its row's sum and output.
 inline float exp2_poly(float x) {
-  x = select(x > -127.0f, x, -127.0f);
+  const float nan_in = x;
+  x = select(x > -127.0f, x, -127.0f);  // NaN becomes -127 here, and back below
   x = select(x < 127.0f, x, 127.0f);
   const int32_t biased = static_cast<int32_t>(x + 127.5f);  // round(x) + 127
   const float f = x - static_cast<float>(biased - 127);
@@ -118,7 +127,7 @@ inline float exp2_poly(float x) {
   p = p * f + 2.4022650695910071e-01f;
   p = p * f + 6.9314718055994531e-01f;
   p = p * f + 1.0f;
-  return p * bits_float(static_cast<uint32_t>(biased) << 23);
+  return nan_or(nan_in, p * bits_float(static_cast<uint32_t>(biased) << 23));
 }
 
 }  // namespace jax_flash_cpu

@@ -2,6 +2,7 @@
 // walks its key tiles and, inside each, the query tiles that can see them.
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #include "attention_cpu_tiles.h"
 
@@ -14,6 +15,13 @@ namespace {
 // kSegments adds the packed-document mask (kernel_api.h): each key tile's
 // query range shrinks to the union of its keys' q_bounds, and ids are
 // compared on every pair visited.
+//
+// NaN semantics: the tiles hold q, k, v and dO with their NaNs and Infs
+// zeroed, so that a pair the mask hides (P = dS = 0) adds exact zeros to dQ,
+// dK and dV whatever its rows hold. What a row sees still reaches it: a NaN
+// or Inf that the row's forward saw made its lse or out, hence delta, NaN,
+// which turns its visible P or dS NaN; a NaN or Inf in its dO reaches the dV
+// of its visible keys through dv_weight.
 template <class Codec, int kRows, int kCols, int kMaxDim, bool kSegments>
 struct BackwardGroup {
   using T = typename Codec::Storage;
@@ -40,10 +48,12 @@ struct BackwardGroup {
     alignas(64) float vt_tile[kMaxDim * kCols];
     alignas(64) float dk_acc[kCols * kMaxDim];
     alignas(64) float dv_acc[kCols * kMaxDim];
-    alignas(64) float probs[kRows * kCols];
+    alignas(64) float scores[kRows * kCols];
+    alignas(64) float dv_weight[kRows * kCols];  // P, NaN where the row's dO is not finite
     alignas(64) float dscores[kRows * kCols];
     alignas(64) float partial[kMaxDim];
     float lse_log2[kRows], delta[kRows];
+    bool dout_finite[kRows];
     int32_t tile_ids[kCols] = {};  // segment ids of the current key tile
 
     for (int64_t h = h_first; h < h_first + g.group; ++h) {
@@ -72,35 +82,47 @@ struct BackwardGroup {
       std::fill(dv_acc, dv_acc + cols * dim_v, 0.0f);
       if (rows_span.hi > rows_span.lo) {
         const T* k_src = k + g.k_off(b, j0, hk);
-        load_rows<Codec>(k_src, g.heads_kv * dim, cols, kCols, dim, dim,
-                         k_tile);
-        load_rows_transposed<Codec, kCols>(k_src, g.heads_kv * dim, cols, dim,
-                                           kt_tile);
-        load_rows_transposed<Codec, kCols>(v + g.v_off(b, j0, hk),
-                                           g.heads_kv * dim_v, cols, dim_v,
-                                           vt_tile);
+        load_rows<Codec, FiniteOrZero>(k_src, g.heads_kv * dim, cols, kCols,
+                                       dim, dim, k_tile);
+        load_rows_transposed<Codec, kCols, FiniteOrZero>(
+            k_src, g.heads_kv * dim, cols, dim, kt_tile);
+        load_rows_transposed<Codec, kCols, FiniteOrZero>(
+            v + g.v_off(b, j0, hk), g.heads_kv * dim_v, cols, dim_v, vt_tile);
       }
       for (int64_t h = h_first; h < h_first + g.group; ++h) {
         for (int64_t i0 = rows_span.lo; i0 < rows_span.hi; i0 += kRows) {
           const int rows =
               static_cast<int>(std::min<int64_t>(kRows, rows_span.hi - i0));
-          load_rows<Codec>(q + g.q_off(b, i0, h), g.heads_q * dim, rows, kRows,
-                           dim, dim, q_tile);
-          load_rows<Codec>(dout + g.o_off(b, i0, h), g.heads_q * dim_v, rows,
-                           kRows, dim_v, dim_v, do_tile);
+          load_rows<Codec, FiniteOrZero>(q + g.q_off(b, i0, h), g.heads_q * dim,
+                                         rows, kRows, dim, dim, q_tile);
+          for (int r = 0; r < rows; ++r) {
+            const T* src = dout + g.o_off(b, i0 + r, h);
+            bool finite = true;
+            for (int d = 0; d < dim_v; ++d) finite &= is_finite(Codec::load(src[d]));
+            dout_finite[r] = finite;
+          }
+          load_rows<Codec, FiniteOrZero>(dout + g.o_off(b, i0, h),
+                                         g.heads_q * dim_v, rows, kRows, dim_v,
+                                         dim_v, do_tile);
           for (int r = 0; r < rows; ++r) {
             lse_log2[r] = args.lse[g.stat_off(b, h, i0 + r)] * kLog2e;
             delta[r] = args.delta[g.stat_off(b, h, i0 + r)];
           }
-          matmul_abt<kRows, kCols>(q_tile, kt_tile, dim, probs);
+          matmul_abt<kRows, kCols>(q_tile, kt_tile, dim, scores);
           matmul_abt<kRows, kCols>(do_tile, vt_tile, dim_v, dscores);
           // P from the saved lse; masked entries, padding and rows whose lse
-          // says they saw nothing become exact zeros, and so do their dS.
+          // says they saw nothing become exact zeros, and so do their dS. A
+          // NaN lse (the row saw a NaN) makes its visible P NaN.
           for (int r = 0; r < kRows; ++r) {
-            float* p = probs + r * kCols;
+            const float* qk = scores + r * kCols;
             float* ds = dscores + r * kCols;
+            float* w = dv_weight + r * kCols;
+            const float nan_if_dout_bad =
+                r < rows && !dout_finite[r]
+                    ? std::numeric_limits<float>::quiet_NaN()
+                    : 1.0f;
             int a = 0, e = 0;
-            if (r < rows && lse_log2[r] > kNegInf) {
+            if (r < rows && lse_log2[r] != kNegInf) {
               const KeySpan span = key_span(g, kv_len, i0 + r);
               a = static_cast<int>(std::clamp<int64_t>(span.lo - j0, 0, cols));
               e = static_cast<int>(std::clamp<int64_t>(span.hi - j0, a, cols));
@@ -115,15 +137,15 @@ struct BackwardGroup {
               bool seen = j >= a && j < e;
               if constexpr (kSegments) seen = seen && tile_ids[j] == id;
               float slope;
-              const float logit = logits.log2_logit(p[j], &slope);
+              const float logit = logits.log2_logit(qk[j], &slope);
               const float pj = select(seen, exp2_poly(logit - row_lse), 0.0f);
-              p[j] = pj;
+              w[j] = select(seen, pj * nan_if_dout_bad, 0.0f);
               ds[j] = select(seen, pj * (ds[j] - row_delta) * slope, 0.0f);
             }
           }
           // dV += P^T dO and dK += dS^T Q (scaled once at the end).
           for (int j = 0; j < cols; ++j) {
-            add_tile_sum(probs + j, kCols, 0, rows, do_tile, dim_v, partial,
+            add_tile_sum(dv_weight + j, kCols, 0, rows, do_tile, dim_v, partial,
                          dv_acc + j * dim_v);
             add_tile_sum(dscores + j, kCols, 0, rows, q_tile, dim, partial,
                          dk_acc + j * dim);

@@ -36,6 +36,10 @@ struct ForwardTile {
     alignas(64) float q_tile[kRows * kMaxDim];
     alignas(64) float kt_tile[kMaxDim * kCols];
     alignas(64) float v_tile[kCols * kMaxDim];
+    // Packed documents whose V tile holds a NaN or Inf: the tile with those
+    // entries zeroed, and which rows were finite.
+    [[maybe_unused]] alignas(64) float v_finite_tile[kSegments ? kCols * kMaxDim : 1];
+    [[maybe_unused]] bool v_row_finite[kSegments ? kCols : 1];
     alignas(64) float o_acc[kRows * kMaxDim];
     alignas(64) float scores[kRows * kCols];
     alignas(64) float partial[kMaxDim];
@@ -73,6 +77,17 @@ struct ForwardTile {
                                          g.heads_kv * dim, cols, dim, kt_tile);
       load_rows<Codec>(v + g.v_off(b, j0, hk), g.heads_kv * dim_v, cols, cols,
                        dim_v, dim_v, v_tile);
+      [[maybe_unused]] bool v_finite = true;
+      if constexpr (kSegments) {
+        v_finite = all_finite(v_tile, cols, dim_v, dim_v);
+        if (!v_finite) {
+          for (int j = 0; j < cols; ++j) {
+            v_row_finite[j] = all_finite(v_tile + j * dim_v, 1, dim_v, dim_v);
+          }
+          load_rows<Codec, FiniteOrZero>(v + g.v_off(b, j0, hk), g.heads_kv * dim_v,
+                                         cols, cols, dim_v, dim_v, v_finite_tile);
+        }
+      }
       matmul_abt<kRows, kCols>(q_tile, kt_tile, dim, scores);
       for (int r = 0; r < live; ++r) {
         KeySpan span = key_span(g, kv_len, i0 + r);
@@ -84,25 +99,23 @@ struct ForwardTile {
         const int e = static_cast<int>(std::min<int64_t>(span.hi - j0, cols));
         if (e <= a) continue;
         float* s = scores + r * kCols;
+        // A NaN logit (log2_logit_or_nan) stays NaN through the row's max,
+        // sum and output: the row saw a NaN or Inf.
         float tile_max;
         if constexpr (kSegments) {
           // Keys of other documents become -inf, i.e. exact zeros after exp2.
           const int32_t id = q_ids[i0 + r];
           const int32_t* ids = kv_ids + j0;
           for (int j = a; j < e; ++j) {
-            s[j] = select(ids[j] == id, logits.log2_logit(s[j]), kNegInf);
+            s[j] = select(ids[j] == id, logits.log2_logit_or_nan(s[j]), kNegInf);
           }
           tile_max = row_max(s + a, e - a);
           if (tile_max == kNegInf) continue;  // none of its document here
         } else {
-          if (logits.capped) {
-            for (int j = a; j < e; ++j) s[j] = logits.log2_logit(s[j]);
-          } else {
-            for (int j = a; j < e; ++j) s[j] *= logits.in;
-          }
+          for (int j = a; j < e; ++j) s[j] = logits.log2_logit_or_nan(s[j]);
           tile_max = row_max(s + a, e - a);
         }
-        const float new_max = std::max(run_max[r], tile_max);
+        const float new_max = max_or_nan(tile_max, run_max[r]);
         const float rescale = exp2_poly(run_max[r] - new_max);
         for (int j = a; j < e; ++j) s[j] = exp2_poly(s[j] - new_max);
         run_sum[r] = run_sum[r] * rescale + row_sum(s + a, e - a);
@@ -111,15 +124,41 @@ struct ForwardTile {
         if (rescale != 1.0f) {
           for (int d = 0; d < dim_v; ++d) acc[d] *= rescale;
         }
+        if constexpr (kSegments) {
+          if (!v_finite) {
+            // Another document's NaN or Inf value times its zero weight
+            // would be NaN. A row whose own keys here are finite takes the
+            // tile with those values zeroed (the same sums as without
+            // them); one that sees a NaN or Inf adds its own keys' runs.
+            const int32_t id = q_ids[i0 + r];
+            const int32_t* ids = kv_ids + j0;
+            bool sees_non_finite = false;
+            for (int j = a; j < e; ++j) {
+              sees_non_finite |= ids[j] == id && !v_row_finite[j];
+            }
+            if (!sees_non_finite) {
+              add_tile_sum(s, 1, a, e, v_finite_tile, dim_v, partial, acc);
+              continue;
+            }
+            for (int j = a; j < e;) {
+              int end = j;
+              while (end < e && (ids[end] == id) == (ids[j] == id)) ++end;
+              if (ids[j] == id) add_tile_sum(s, 1, j, end, v_tile, dim_v, partial, acc);
+              j = end;
+            }
+            continue;
+          }
+        }
         add_tile_sum(s, 1, a, e, v_tile, dim_v, partial, acc);
       }
     }
 
-    // Rows that saw a key have run_sum >= 1 (their maximum contributes 2^0).
+    // Rows that saw a key have run_sum >= 1 (their maximum contributes 2^0),
+    // or NaN.
     for (int r = 0; r < rows; ++r) {
       T* out = o + g.o_off(b, i0 + r, h);
       float* lse = args.lse + g.stat_off(b, h, i0 + r);
-      if (k_hi > k_lo && r < live && run_sum[r] > 0.0f) {
+      if (k_hi > k_lo && r < live && run_sum[r] != 0.0f) {
         const float inv = 1.0f / run_sum[r];
         const float* acc = o_acc + r * dim_v;
         for (int d = 0; d < dim_v; ++d) out[d] = Codec::store(acc[d] * inv);

@@ -95,6 +95,14 @@ struct Logits {
   float log2_logit(float qk) const {
     return capped ? out_log2 * std::tanh(qk * in) : qk * in;
   }
+  // The forward's logit: NaN where the product is not finite (a NaN or Inf
+  // in q or k, or an overflow), so that it reaches exactly the rows that see
+  // it, as in reference.py; a cap would turn an Inf into a finite logit.
+  float log2_logit_or_nan(float qk) const {
+    const float x = qk * in;
+    const float logit = capped ? out_log2 * std::tanh(x) : x;
+    return select(is_finite(x), logit, std::numeric_limits<float>::quiet_NaN());
+  }
   // The log2 logit, and into *slope the derivative factor described above.
   float log2_logit(float qk, float* slope) const {
     if (!capped) {
@@ -165,15 +173,24 @@ inline KeySpan bounds_union(const int32_t* bounds, int64_t seqlen, int64_t b,
 
 // ---- tile loads and small matrix products -----------------------------------
 
+// A loaded value, or 0 where it is not finite (the backward's tiles: see
+// attention_cpu_bwd.cc).
+struct AsLoaded {
+  static float apply(float x) { return x; }
+};
+struct FiniteOrZero {
+  static float apply(float x) { return select(is_finite(x), x, 0.0f); }
+};
+
 // dst[r * ld + d] = src row r, for r < rows; rows up to pad_rows are zeroed so
 // that padding contributes exact zeros to every product.
-template <class Codec>
+template <class Codec, class Filter = AsLoaded>
 void load_rows(const typename Codec::Storage* src, int64_t src_stride,
                int rows, int pad_rows, int width, int ld, float* dst) {
   for (int r = 0; r < rows; ++r) {
     const typename Codec::Storage* s = src + r * src_stride;
     float* d = dst + r * ld;
-    for (int c = 0; c < width; ++c) d[c] = Codec::load(s[c]);
+    for (int c = 0; c < width; ++c) d[c] = Filter::apply(Codec::load(s[c]));
   }
   for (int r = rows; r < pad_rows; ++r) {
     std::fill(dst + r * ld, dst + r * ld + width, 0.0f);
@@ -181,7 +198,7 @@ void load_rows(const typename Codec::Storage* src, int64_t src_stride,
 }
 
 // Transposed load: dst[c * kCols + r] = src row r, column c.
-template <class Codec, int kCols>
+template <class Codec, int kCols, class Filter = AsLoaded>
 void load_rows_transposed(const typename Codec::Storage* src,
                           int64_t src_stride, int rows, int width,
                           float* dst) {
@@ -190,8 +207,21 @@ void load_rows_transposed(const typename Codec::Storage* src,
   }
   for (int r = 0; r < rows; ++r) {
     const typename Codec::Storage* s = src + r * src_stride;
-    for (int c = 0; c < width; ++c) dst[c * kCols + r] = Codec::load(s[c]);
+    for (int c = 0; c < width; ++c) {
+      dst[c * kCols + r] = Filter::apply(Codec::load(s[c]));
+    }
   }
+}
+
+// Whether rows [0, rows) of a width-wide tile (row stride ld) are all finite.
+inline bool all_finite(const float* tile, int rows, int width, int ld) {
+  uint32_t non_finite = 0;
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c < width; ++c) {
+      non_finite |= static_cast<uint32_t>(!is_finite(tile[r * ld + c]));
+    }
+  }
+  return non_finite == 0;
 }
 
 // c[i][j] = sum_d a[i][d] * bt[d][j] for a kRows x kCols tile. Four d steps are
@@ -275,18 +305,22 @@ inline float row_sum(const float* __restrict x, int n) {
   return total;
 }
 
+// The larger of a and b, NaN if either is.
+inline float max_or_nan(float a, float b) {
+  return select(a > b || a != a, a, b);
+}
+
+// NaN if any x is.
 inline float row_max(const float* __restrict x, int n) {
   float part[kLanes];
   std::fill(part, part + kLanes, kNegInf);
   int j = 0;
   for (; j + kLanes <= n; j += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      part[l] = select(x[j + l] > part[l], x[j + l], part[l]);
-    }
+    for (int l = 0; l < kLanes; ++l) part[l] = max_or_nan(x[j + l], part[l]);
   }
-  for (int l = 0; j < n; ++j, ++l) part[l] = std::max(part[l], x[j]);
+  for (int l = 0; j < n; ++j, ++l) part[l] = max_or_nan(x[j], part[l]);
   float best = kNegInf;
-  for (float v : part) best = std::max(best, v);
+  for (float v : part) best = max_or_nan(v, best);
   return best;
 }
 
