@@ -12,9 +12,10 @@ Three ways an array reaches a kernel call sharded:
   (sequence, head dim, a GQA group split across devices) raise
   ``NotImplementedError`` from the partitioner, at compile time, which XLA
   reports as a runtime error carrying the message.
-* ``Explicit`` mesh axes (``jax.make_mesh``'s default): the sharding is part
-  of the arrays' types, so the kernel runs under ``shard_map`` with the specs
-  derived from q's, and unsupported shardings raise while tracing.
+* ``Explicit`` mesh axes (``jax.make_mesh``'s default), with or without
+  ``jax.set_mesh``: the sharding is part of the arrays' types, so the kernel
+  runs under ``shard_map`` on the arrays' mesh with the specs derived from
+  q's, and unsupported shardings raise while tracing.
 * Inside ``shard_map``: the calls run on the local blocks as they are; the
   kernel outputs are cast to vary over the same manual mesh axes as their
   inputs, so that ``check_vma=True`` (the default) and gradients type-check.
