@@ -68,25 +68,30 @@ def pallas_paged(q, k_pages, v_pages, table, lengths):
                                 heads_first(v_pages), table, lengths)
 
 
-def decode_impls(page_size):
-  """(impl, variant, fn(q, k_pages, v_pages, table, lengths), wants) per
-  implementation: `wants` is the page size it runs at (None: any)."""
-  flash = lambda q, k, v, t, n: jax_flash.paged_attention(q, k, v, t, n, implementation="flash")
+def flash_paged(split):
+  return lambda q, k, v, t, n: jax_flash.paged_attention(q, k, v, t, n, kv_split_size=split,
+                                                         implementation="flash")
+
+
+def decode_impls(page_size, splits):
+  """(impl, variant, fn(q, k_pages, v_pages, table, lengths)) per
+  implementation; cuDNN's contiguous anchor reads keys gathered beforehand."""
   xla = lambda q, k, v, t, n: jax_flash.paged_attention(q, k, v, t, n, implementation="xla")
   dense = lambda q, k, v, t, n: jax.nn.dot_product_attention(
-      q, contiguous(k, t), contiguous(v, t), key_value_seq_lengths=n, implementation="cudnn")
-  return [
-      ("jax_flash", "paged", flash),
+      q, k, v, key_value_seq_lengths=n, implementation="cudnn")
+  return [("jax_flash", f"paged-split{split}", flash_paged(split)) for split in splits] + [
       ("cudnn", "paged", cudnn_paged),
       ("pallas", "paged", pallas_paged),
       ("xla", "gather", xla),
   ] + ([("cudnn", "contiguous", dense)] if page_size == 64 else [])
 
 
-def copy_ceiling_gbps(gib: float = 4.0) -> float:
+def memory_ceilings_gbps(gib: float = 4.0) -> tuple[float, float]:
+  """(copy: read + write of a `gib` array, read: a sum over it), GB/s."""
   x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
-  ms = benchmark._time(jax.jit(lambda x: x + 1), (x,))
-  return 2 * x.nbytes / ms / 1e6
+  copy_ms = benchmark._time(jax.jit(lambda x: x + 1), (x,))
+  read_ms = benchmark._time(jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), (x,))
+  return 2 * x.nbytes / copy_ms / 1e6, x.nbytes / read_ms / 1e6
 
 
 def row(impl, op, variant, batch, seq_q, seq_k, page_size, ms, gbps=None, tflops=None, **extra):
@@ -96,21 +101,22 @@ def row(impl, op, variant, batch, seq_q, seq_k, page_size, ms, gbps=None, tflops
           "tflops": tflops, "ms": round(ms, 4), "gbps": gbps, "page_size": page_size, **extra}
 
 
-def run_decode(batches, seqs, pages, ceiling):
+def run_decode(shapes, pages, splits, ceiling):
   rows = []
   print(f"{'B':>4} {'S':>7} {'page':>5}  {'impl':<20}{'ms':>9}{'GB/s':>8}{'ceiling':>8}", flush=True)
-  for batch in batches:
-    for seq in seqs:
+  for batch, seq in shapes:
       if batch * seq > MAX_TOKENS:
         continue
       kv_bytes = 2 * batch * seq * HEADS_KV * HEAD_DIM * 2
       for page_size in pages:
         args = paged_inputs(batch, seq, 1, page_size)
-        for impl, variant, fn in decode_impls(page_size):
+        dense_args = (args[0], contiguous(args[1], args[3]), contiguous(args[2], args[3]),
+                      args[3], args[4]) if page_size == 64 else None
+        for impl, variant, fn in decode_impls(page_size, splits):
           if impl == "xla" and batch * seq > MAX_TOKENS // 4:
             continue  # the gathered copy would not fit beside the pools
           try:
-            ms = benchmark._time(jax.jit(fn), args)
+            ms = benchmark._time(jax.jit(fn), dense_args if variant == "contiguous" else args)
           except Exception as e:  # an anchor that rejects the shape is reported, not fatal
             print(f"{batch:>4} {seq:>7} {page_size:>5}  {impl + ':' + variant:<20}failed: "
                   f"{benchmark.error_summary(e)}", flush=True)
@@ -124,16 +130,15 @@ def run_decode(batches, seqs, pages, ceiling):
   return rows
 
 
-def run_prefill(page_size):
+def run_prefill(page_size, splits):
   rows = []
   for new, seq in PREFILL:
     q, k_pages, v_pages, table, lengths = paged_inputs(1, seq, new, page_size)
     # Query t (position seq - new + t) sees seq - new + t + 1 keys.
     flops = 4 * HEADS * HEAD_DIM * (new * (seq - new) + new * (new + 1) / 2)
     k, v = contiguous(k_pages, table), contiguous(v_pages, table)
-    plans = [
-        ("jax_flash", "paged", jax.jit(lambda q, k, v, t, n: jax_flash.paged_attention(
-            q, k, v, t, n, implementation="flash")), (q, k_pages, v_pages, table, lengths)),
+    plans = [("jax_flash", f"paged-split{split}", jax.jit(flash_paged(split)),
+              (q, k_pages, v_pages, table, lengths)) for split in splits] + [
         ("jax_flash", "contiguous", jax.jit(lambda q, k, v: jax_flash.attention(
             q, k, v, causal=True, implementation="flash")), (q, k, v)),
     ]
@@ -151,23 +156,33 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batches", type=int, nargs="+", default=list(DECODE_BATCHES))
   parser.add_argument("--seqs", type=int, nargs="+", default=list(DECODE_SEQS))
+  parser.add_argument("--shapes", nargs="+", default=None,
+                      help="BATCHxSEQ decode shapes instead of every --batches x --seqs")
   parser.add_argument("--pages", type=int, nargs="+", default=[16, 64])
+  parser.add_argument("--split-sizes", type=int, nargs="+",
+                      default=[jax_flash.paged.DEFAULT_KV_SPLIT_SIZE],
+                      help="jax_flash kv_split_size values, a row each")
   parser.add_argument("--out", type=pathlib.Path, help="results file to write (one run)")
   args = parser.parse_args(argv)
   if jax.default_backend() != "gpu":
     print("bench_paged: needs a GPU")
     return 2
   device = jax.devices()[0].device_kind
-  ceiling = copy_ceiling_gbps()
-  print(f"{device}, jax {jax.__version__}; copy ceiling {ceiling:.0f} GB/s", flush=True)
-  rows = run_decode(args.batches, args.seqs, args.pages, ceiling) + run_prefill(64)
+  ceiling, read = memory_ceilings_gbps()
+  print(f"{device}, jax {jax.__version__}; copy ceiling {ceiling:.0f} GB/s, read {read:.0f} GB/s",
+        flush=True)
+  shapes = ([tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes
+            else [(b, s) for b in args.batches for s in args.seqs])
+  rows = (run_decode(shapes, args.pages, args.split_sizes, ceiling)
+          + run_prefill(64, args.split_sizes))
   if args.out:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or None
     run = {"gpu": device, "jax": jax.__version__, "date": datetime.date.today().isoformat(),
            "commit": commit, "command": "python benchmarks/bench_paged.py " + " ".join(
                sys.argv[1:] if argv is None else argv),
-           "note": f"copy ceiling {ceiling:.0f} GB/s (read + write of a 4 GiB array)"}
+           "note": f"copy ceiling {ceiling:.0f} GB/s (read + write of a 4 GiB array), read "
+                   f"{read:.0f} GB/s (a sum over it)"}
     args.out.write_text(json.dumps({"run": run, "rows": rows}, indent=1) + "\n")
     print(f"wrote {len(rows)} rows to {args.out}")
   return 0

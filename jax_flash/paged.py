@@ -27,11 +27,10 @@ _PAGED_TARGET = "jax_flash_gpu_paged_fwd_v1"
 # (cuda_src/fwd_sm90/paged_kv.py: PAGE_BOX).
 _PAGE_ALIGN = 16
 _MAX_PAGE_SIZE = 256
-# Keys per split (see kv_split_size). 1024 keys of 8 kv heads at head dim 128
-# are 4 MiB of K / V per split: a decode batch of 64 sequences at 4k keys
-# runs 2048 CTAs, one sequence at 128k keys 1024, while the partial results
-# add 8 KiB per split and sequence.
-DEFAULT_KV_SPLIT_SIZE = 1024
+# Keys per split (see kv_split_size): the fastest of 1024, 2048 and 4096 for
+# every decode shape measured, 2k to 128k keys, batch 1 to 256 (H200,
+# docs/history.md: paged attention), and for 2048-token prefill chunks.
+DEFAULT_KV_SPLIT_SIZE = 4096
 
 
 def _register_cuda() -> bool:
@@ -272,7 +271,7 @@ def _paged_kernel(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
                           lse.reshape(batch, splits, *lse.shape[1:]))
   if packed:
     out = out.transpose(0, 2, 1, 3).reshape(batch, 1, heads_q, out.shape[-1])
-    lse = lse.transpose(0, 2, 1).reshape(batch, heads_q, 1)
+    lse = lse.reshape(batch, heads_q, 1)  # [B, Hkv, group]: head kv * group + g
   # Padding rows come out of the kernel as whatever their queries made of
   # them (NaN for NaN): zero, as documented.
   padding = jnp.arange(max_new)[None, :, None, None] >= query_lengths[:, None, None, None]

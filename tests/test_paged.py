@@ -244,7 +244,7 @@ class TestPagedGpu:
                               head_dim=128, dtype=jnp.bfloat16, spare_pages=40)
     # Sequence 2 of the larger batch gets the first batch's keys, query and pages' contents.
     table = np.asarray(others["page_table"])
-    k_pages, v_pages = np.asarray(others["k_pages"]), np.asarray(others["v_pages"])
+    k_pages, v_pages = np.array(others["k_pages"]), np.array(others["v_pages"])
     source = np.asarray(inputs["page_table"])[0]
     for i in range(-(-lengths // page)):
       k_pages[table[2, i]] = np.asarray(inputs["k_pages"])[source[i]]
