@@ -34,7 +34,7 @@ def is_full(rows: list) -> bool:
 
 
 def newest_full_run(directory=RESULTS) -> pathlib.Path:
-  runs = [(header["date"], header["number"], path)
+  runs = [(header["date"], header.get("number", 0), path)
           for path, header, rows in benchmark.read_runs(directory) if is_full(rows)]
   if not runs:
     raise SystemExit(f"no results file in {directory} has forward and backward rows of jax_flash "

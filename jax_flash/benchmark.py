@@ -310,7 +310,9 @@ def rows(impl: str, config: Config, result: dict, ceiling: float | None, variant
 # once what every row shares; rows keep the configuration and the numbers.
 ROW_FIELDS = ("impl", "op", "dtype", "batch", "seq_q", "seq_k", "heads_q", "heads_kv", "head_dim",
               "head_dim_v", "causal", "window", "variant", "tflops", "ms", "gbps")
-RUN_FIELDS = ("number", "gpu", "jax", "date", "commit", "command", "note")
+# A header may add fields of its own: "number" (the run's place in its GPU's
+# series), a matmul ceiling shared by every row.
+RUN_FIELDS = ("gpu", "jax", "date", "commit", "command", "note")
 
 
 def run_header(rows: list, number: int, commit: str | None, command: str | None,
@@ -352,15 +354,15 @@ def run_document(run: dict, rows: list) -> str:
 
 def read_rows(path) -> list:
   """The rows of one JSON file: a results file's rows with its header's
-  fields added to each (``number`` as ``run``), or a bare list of rows as
-  the benchmark scripts' ``--out`` writes them."""
+  fields added to each (its ``number``, if any, as ``run``), or a bare list
+  of rows as the benchmark scripts' ``--out`` writes them."""
   loaded = json.loads(pathlib.Path(path).read_text())
   if isinstance(loaded, list):
     return loaded
   if not isinstance(loaded, dict) or "rows" not in loaded:
     raise ValueError(f"{path}: neither a results file nor a list of rows")
   run = loaded["run"]
-  shared = {k: v for k, v in run.items() if k != "number"} | {"run": run["number"]}
+  shared = {k: v for k, v in run.items() if k != "number"} | {"run": run.get("number")}
   return [shared | row for row in loaded["rows"]]
 
 

@@ -393,7 +393,7 @@ def test_a_run_holds_one_gpu_and_complete_rows():
   with pytest.raises(ValueError, match="lacks"):
     benchmark.run_document(header, [{k: v for k, v in rows[0].items() if k != "ms"}])
   with pytest.raises(ValueError, match="lacks"):
-    benchmark.run_document({"number": 1}, rows)
+    benchmark.run_document({"gpu": "NVIDIA H100"}, rows)
 
 
 def test_add_run_numbers_runs_per_gpu(tmp_path, capsys):
