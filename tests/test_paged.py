@@ -239,7 +239,9 @@ class TestPagedGpu:
     lengths, page = 3000, 16
     inputs, _, _ = make_batch(8, [lengths], [1], page_size=page, head_dim=128,
                               dtype=jnp.bfloat16)
-    alone, alone_lse = run_paged(inputs, "flash")
+    # Splits of 1024 keys: the sequence's three merge with the others' empty ones.
+    run = functools.partial(run_paged, implementation="flash", kv_split_size=1024)
+    alone, alone_lse = run(inputs)
     others, _, _ = make_batch(9, [70, 5000, lengths, 1], [1, 1, 1, 1], page_size=page,
                               head_dim=128, dtype=jnp.bfloat16, spare_pages=40)
     # Sequence 2 of the larger batch gets the first batch's keys, query and pages' contents.
@@ -251,7 +253,7 @@ class TestPagedGpu:
       v_pages[table[2, i]] = np.asarray(inputs["v_pages"])[source[i]]
     others.update(k_pages=jnp.asarray(k_pages), v_pages=jnp.asarray(v_pages),
                   q=others["q"].at[2].set(inputs["q"][0]))
-    mixed, mixed_lse = run_paged(others, "flash")
+    mixed, mixed_lse = run(others)
     np.testing.assert_array_equal(mixed[2], alone[0])
     np.testing.assert_array_equal(mixed_lse[2], alone_lse[0])
     # The same token as the last of a 37-token prefill chunk.
@@ -259,7 +261,7 @@ class TestPagedGpu:
     prefill = dict(inputs, q=jnp.concatenate(
         [jax.random.normal(jax.random.key(1), (1, chunk - 1, 8, 128), jnp.bfloat16),
          inputs["q"]], axis=1), query_lengths=jnp.asarray([chunk], jnp.int32))
-    chunked, chunked_lse = run_paged(prefill, "flash")
+    chunked, chunked_lse = run(prefill)
     np.testing.assert_array_equal(chunked[0, -1], alone[0, 0])
     np.testing.assert_array_equal(chunked_lse[0, :, -1], alone_lse[0, :, 0])
 

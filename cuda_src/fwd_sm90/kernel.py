@@ -49,6 +49,7 @@ from common.dsl_common import (
     cap_scores, logit_scales, wgmma_acc_as_operand_a, wgmma_acc_as_rows_cols,
 )
 from launch_order import tile_of_cta
+from kv_producer import WG_ROWS, KVProducer
 from online_softmax import online_softmax, rescale_rows, store_converted
 from output_tile import store_output_tile
 from paged_kv import PAGE_BOX, PagedProblem, clear_unseen_values, produce_paged, slab_layouts
@@ -57,7 +58,6 @@ from segment_ids import warp_bounds_union, warp_tile_segment
 from tile_config import Q_IN_REGISTERS, REDUCTION_PARTIALS, TILE_CONFIG
 
 WG_THREADS = 128  # one warpgroup
-WG_ROWS = 64  # rows of one WGMMA accumulator (m64nNk16)
 # setmaxnreg only moves registers inside the CTA's launch allocation (64K
 # registers shared by all threads; consumer_registers): 2 consumers 128 * 24 +
 # 256 * 240 == 168 * 384, 3: 128 * 24 + 384 * 160 <= 128 * 512; one consumer
@@ -69,7 +69,7 @@ SMEM_PER_SM = 228 * 1024  # of which each resident CTA reserves 1 KiB
 # then one per consumer for its epilogue.
 BAR_PINGPONG = 1
 
-class FlashFwdSm90:
+class FlashFwdSm90(KVProducer):
     """Forward attention for one dtype and (head_dim, head_dim_v) pair."""
 
     def __init__(
@@ -483,69 +483,6 @@ class FlashFwdSm90:
             # No CTA may exit while its peer can still arrive on its barriers.
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
-
-    # ------------------------------------------------------------------------
-    @cute.jit
-    def _produce(
-        self, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
-        pipe_q, pipe_k, pipe_v,
-        head_q, head_kv, batch, wg_tile0, n_block_max, num_n_blocks,
-    ):
-        """One warp: each consumer's Q once, then K(n) and V(n) for n =
-        n_block_max-1 down."""
-        hd, hd_v, tile_n = self.head_dim, self.head_dim_v, self.tile_n
-        gQ = cute.local_tile(mQ[None, None, head_q, batch], (WG_ROWS, hd), (None, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (tile_n, hd), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (hd_v, tile_n), (0, None))
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
-        # With a cluster each CTA loads its slice of every K / V tile into
-        # the buffers of all CTAs of the cluster.
-        cluster = cute.make_layout(self.cluster_size)
-        rank = 0
-        if cutlass.const_expr(self.cluster_size > 1):
-            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_k, rank, cluster, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-        )
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_v, rank, cluster, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-        )
-        # Q first and whatever the KV range: its rows do not depend on the
-        # sequence lengths, whose loads would otherwise delay it.
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.consumers)
-        for w in cutlass.range_constexpr(self.consumers):
-            pipe_q.producer_acquire(q_state)
-            cute.copy(tma_q, tQgQ[None, cutlass.max(wg_tile0 + w, 0)], tQsQ[None, w],
-                      tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-            q_state.advance()
-        if num_n_blocks > 0:
-            kv_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Producer, self.kv_stages
-            )
-            n_block = n_block_max - 1
-            pipe_k.producer_acquire(kv_state)
-            self._load_kv(tma_k, tKgK[None, n_block], tKsK[None, kv_state.index], pipe_k.producer_get_barrier(kv_state))
-            pipe_v.producer_acquire(kv_state)
-            self._load_kv(tma_v, tVgV[None, n_block], tVsV[None, kv_state.index], pipe_v.producer_get_barrier(kv_state))
-            kv_state.advance()
-            for i in cutlass.range(1, num_n_blocks, unroll=1):
-                n_block = n_block_max - 1 - i
-                pipe_k.producer_acquire(kv_state)
-                self._load_kv(tma_k, tKgK[None, n_block], tKsK[None, kv_state.index], pipe_k.producer_get_barrier(kv_state))
-                pipe_v.producer_acquire(kv_state)
-                self._load_kv(tma_v, tVgV[None, n_block], tVsV[None, kv_state.index], pipe_v.producer_get_barrier(kv_state))
-                kv_state.advance()
-
-    @cute.jit
-    def _load_kv(self, tma, src, dst, barrier):
-        """One K or V tile (this CTA's slice of it, into every CTA of the
-        cluster)."""
-        if cutlass.const_expr(self.cluster_size > 1):
-            cute.copy(tma, src, dst, tma_bar_ptr=barrier, mcast_mask=cutlass.Int16((1 << self.cluster_size) - 1))
-        else:
-            cute.copy(tma, src, dst, tma_bar_ptr=barrier)
 
     # ------------------------------------------------------------------------
     @cute.jit
