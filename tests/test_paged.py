@@ -271,3 +271,26 @@ class TestPagedGpu:
     out, lse = run_paged(inputs, "flash")
     assert np.all(out[0] == 0) and np.all(lse[0] == -np.inf)
     assert np.all(np.isfinite(out[1]))
+
+
+def test_tensor_parallel_over_kv_heads():
+  """Heads sharded over a mesh axis (tensor-parallel serving): each device
+  holds its kv heads' slice of every page and runs the call on its heads;
+  the page table and lengths are the same everywhere."""
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.make_mesh((4,), ("tp",))
+  inputs, keys, values = make_batch(11, [300, 17], [1, 5], page_size=16, heads_q=8, heads_kv=4,
+                                    head_dim=32)
+  heads, replicated = P(None, None, "tp"), P()
+  attend = jax.jit(jax.shard_map(
+      lambda q, k, v, t, n, m: jax_flash.paged_attention(q, k, v, t, n, query_lengths=m,
+                                                         return_lse=True),
+      mesh=mesh, in_specs=(heads, heads, heads, replicated, replicated, replicated),
+      out_specs=(heads, P(None, "tp"))))
+  placed = [jax.device_put(x, jax.sharding.NamedSharding(mesh, spec)) for x, spec in
+            zip(inputs.values(), (heads, heads, heads, replicated, replicated, replicated))]
+  out, lse = attend(*placed)
+  ref_out, ref_lse = dense_reference(inputs, keys, values)
+  np.testing.assert_allclose(np.asarray(out), ref_out, atol=2e-5, rtol=1e-4)
+  np.testing.assert_allclose(np.asarray(lse)[np.isfinite(ref_lse)], ref_lse[np.isfinite(ref_lse)],
+                             atol=2e-5, rtol=1e-5)
