@@ -193,7 +193,8 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, cache_lengths, qu
     visible &= key[None, None] >= position[..., None] - window_left
   if window_right >= 0:
     visible &= key[None, None] <= position[..., None] + window_right
-  logits = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), keys) * scale
+  exact = jax.lax.Precision.HIGHEST  # float32 products, also where XLA would take TF32
+  logits = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), keys, precision=exact) * scale
   if softcap:
     logits = softcap * jnp.tanh(logits / softcap)
   visible = visible[:, None]  # [B, 1, T, S]
@@ -203,7 +204,8 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, cache_lengths, qu
   weights = jnp.where(visible, jnp.exp(logits - jnp.where(seen, row_max, 0.0)), 0.0)
   total = jnp.sum(weights, axis=-1, keepdims=True)
   values = jnp.where((key[None, :] < lengths[:, None])[..., None, None], values, 0.0)
-  out = jnp.einsum("bhts,bshd->bthd", weights / jnp.where(seen, total, 1.0), values)
+  out = jnp.einsum("bhts,bshd->bthd", weights / jnp.where(seen, total, 1.0), values,
+                   precision=exact)
   lse = jnp.where(seen, row_max + jnp.log(total), -jnp.inf)[..., 0]
   return out.astype(q.dtype), lse
 
