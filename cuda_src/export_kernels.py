@@ -43,9 +43,13 @@ import subprocess
 import sys
 import time
 
-import sass_checks
-
 SOURCE_DIR = pathlib.Path(__file__).resolve().parent
+# Run as a script with PYTHONSAFEPATH=1 (as CI runs the tests), Python leaves
+# the script's folder off sys.path.
+if str(SOURCE_DIR) not in sys.path:
+  sys.path.insert(0, str(SOURCE_DIR))
+
+import sass_checks  # noqa: E402
 # CuTe DSL compiler option: print ptxas's -v report as remarks.
 PTXAS_REMARKS = "remarks{ptx}"
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
