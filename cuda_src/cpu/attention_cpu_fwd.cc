@@ -112,7 +112,11 @@ struct ForwardTile {
           tile_max = row_max(s + a, e - a);
           if (tile_max == kNegInf) continue;  // none of its document here
         } else {
-          for (int j = a; j < e; ++j) s[j] = logits.log2_logit_or_nan(s[j]);
+          if (logits.capped) {
+            for (int j = a; j < e; ++j) s[j] = logits.log2_logit_or_nan(s[j]);
+          } else {
+            for (int j = a; j < e; ++j) s[j] = logits.uncapped_log2_logit_or_nan(s[j]);
+          }
           tile_max = row_max(s + a, e - a);
         }
         const float new_max = max_or_nan(tile_max, run_max[r]);

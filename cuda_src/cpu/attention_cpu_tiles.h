@@ -100,7 +100,15 @@ struct Logits {
   // it, as in reference.py; a cap would turn an Inf into a finite logit.
   float log2_logit_or_nan(float qk) const {
     const float x = qk * in;
-    const float logit = capped ? out_log2 * std::tanh(x) : x;
+    return finite_or_nan(x, capped ? out_log2 * std::tanh(x) : x);
+  }
+  // The same without a cap, free of the call to tanh so that loops over it
+  // vectorise.
+  float uncapped_log2_logit_or_nan(float qk) const {
+    const float x = qk * in;
+    return finite_or_nan(x, x);
+  }
+  static float finite_or_nan(float x, float logit) {
     return select(is_finite(x), logit, std::numeric_limits<float>::quiet_NaN());
   }
   // The log2 logit, and into *slope the derivative factor described above.
@@ -305,9 +313,10 @@ inline float row_sum(const float* __restrict x, int n) {
   return total;
 }
 
-// The larger of a and b, NaN if either is.
+// The larger of a and b, NaN if either is. Both comparisons always run (|,
+// not ||): a branch would stop loops over it from vectorising.
 inline float max_or_nan(float a, float b) {
-  return select(a > b || a != a, a, b);
+  return select((a > b) | (a != a), a, b);
 }
 
 // NaN if any x is.
