@@ -28,6 +28,17 @@ GPU_TARGETS = ("jax_flash_gpu_fwd_v2", "jax_flash_gpu_bwd_v2")
 ALLOW_KERNELS = [export.DisabledSafetyCheck.custom_call(name) for name in TARGETS + GPU_TARGETS]
 
 
+@pytest.fixture(autouse=True)
+def on_the_cpu(request):
+  """The round trips export for the CPU and run there, also on a machine
+  whose default device is a GPU (the gpu-marked tests keep it)."""
+  if request.node.get_closest_marker("gpu"):
+    yield
+    return
+  with jax.default_device(jax.devices("cpu")[0]):
+    yield
+
+
 def qkv(seed=0, batch=2, seq_q=37, seq_k=45, heads_q=4, heads_kv=2, head_dim=16):
   keys = jax.random.split(jax.random.key(seed), 3)
   return (jax.random.normal(keys[0], (batch, seq_q, heads_q, head_dim), jnp.float32),
