@@ -154,7 +154,7 @@ def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None
       with ``logit = scale * q.k`` (Gemma 2, Grok); ``None`` for no cap.
     deterministic: make the backward bitwise reproducible from run to run.
       The GPU backward then adds each query tile's dQ contributions in a
-      fixed order (README: its measured cost); the CPU kernels always are.
+      fixed order (docs/history.md: its measured cost); the CPU kernels always are.
     return_lse: also return the log-sum-exp of the scaled, masked logits,
       float32 ``[batch, heads_q, seq_q]`` (``-inf`` for rows that see no key).
     implementation: ``None`` (default) runs the kernels of the platform the

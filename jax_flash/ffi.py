@@ -1,6 +1,6 @@
 """Binding to the compiled kernels through XLA's FFI.
 
-Two libraries serve the calls (see the README's developer section):
+Two libraries serve the calls (see docs/developing.md):
 
 * ``_cpu_ffi``: a nanobind extension module holding the C++ CPU kernels;
 * ``libjax_flash_cuda.so``: a plain C-ABI library holding the CuTe DSL GPU

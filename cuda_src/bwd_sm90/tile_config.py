@@ -165,7 +165,7 @@ class TileConfig:
 # At this tile the fp32 dQ tile's shared stores (40 per thread and query
 # tile) cost 7-8% of the backward, waiting on shared-memory bandwidth that
 # the dK and dQ GEMMs use at the same time (timing probes, H200 run 13 and
-# H100 run 126; benchmarks/HISTORY.md).
+# H100 run 126; docs/history.md).
 # The dV GEMM issued as soon as P^T is converted, dS^T then computed from
 # the 16-bit P^T so that the fp32 one dies (hd128 80 rows: 40 bytes
 # spilled; hd64 112 rows: none), results run 99, backward TFLOPS non-causal

@@ -100,7 +100,7 @@ Q_IN_REGISTERS = {(128, 128)}
 # beside the PV GEMM) or every k-th exp2 off the MUFU (a polynomial on the
 # FMA pipe) did not pay at hd64 (results runs 166-167, seq 8192: bf16 495 /
 # 469 against 497 / 472; fp16 at k = 4 429 / 411 against 488 / 452;
-# benchmarks/HISTORY.md).
+# docs/history.md).
 REDUCTION_PARTIALS = {(64, 64): 4}
 
 # (head_dim, head_dim_v) -> seqlen_q from which the launcher runs, for masks
@@ -190,7 +190,7 @@ class ShortTile:
 # non-causal / causal: hd128 502 / 642 and 383 / 524 against 504-506 /
 # 642-659 and 356-370 / 595-608; hd64 8192 488 / 417 against 489-510 /
 # 468-469; hd256 539 / 699 and 386 / 608 against 569-577 / 748-751 and
-# 425-426 / 662-672. Not kept (benchmarks/HISTORY.md).
+# 425-426 / 662-672. Not kept (docs/history.md).
 # Three CTAs per SM (64-key tiles; 80 launch registers per thread, 136 for
 # the consumer), results run 64, seq 1024 / 2048, forward TFLOPS against
 # the two-CTA variant above timed before and after: 3 stages causal 277 /
