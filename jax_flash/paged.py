@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import ffi, validation
+from jax_flash import api, ffi, validation
 
 _PAGED_TARGET = "jax_flash_gpu_paged_fwd_v1"
 # The kernel fills a key tile from boxes of this many keys, one page each
@@ -281,7 +281,7 @@ def _paged_kernel(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
 
 
 def _kernel_unavailable_reason(q, shapes) -> str | None:
-  platform = _platform_of(q)
+  platform = api._platform_of(q)
   if platform != "gpu":
     return f"jax_flash has no paged kernel for platform {platform!r} yet"
   if not _CUDA_REGISTERED:
@@ -295,12 +295,6 @@ def _kernel_unavailable_reason(q, shapes) -> str | None:
     return ("the paged kernel supports head_dim == head_dim_v in (64, 128, 256), got "
             f"{shapes['head_dim']} and {shapes['head_dim_v']}")
   return None
-
-
-def _platform_of(x) -> str:
-  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-    return next(iter(x.devices())).platform
-  return jax.default_backend()
 
 
 def _check_paged(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
