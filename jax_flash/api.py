@@ -65,26 +65,40 @@ def _per_platform(implementation, call: ffi.KernelCall, dtype, shapes) -> ffi.Pe
     reason = _lowering_reason(backend, dtype, shapes)
     if reason is None:
       entries[platform] = dataclasses.replace(call, backend=backend)
-    elif implementation is None:
+    elif implementation is None and not call.batch_invariant:
       entries[platform] = dataclasses.replace(call, backend="xla")
     else:
-      entries[platform] = f"implementation={implementation!r}: {reason}"
+      entries[platform] = _no_kernel_message(implementation, call, reason)
   if all(isinstance(e, ffi.KernelCall) and e.backend == "xla" for e in entries.values()):
     return None
-  other = (dataclasses.replace(call, backend="xla") if implementation is None else
-           f"implementation={implementation!r}: jax_flash has kernels for CPU and CUDA only")
+  other = (dataclasses.replace(call, backend="xla")
+           if implementation is None and not call.batch_invariant else _no_kernel_message(
+               implementation, call, "jax_flash has kernels for CPU and CUDA only"))
   return ffi.PerPlatform(cpu=entries["cpu"], cuda=entries["cuda"], other=other)
+
+
+def _no_kernel_message(implementation, call: ffi.KernelCall, reason: str) -> str:
+  if call.batch_invariant and implementation in (None, "xla"):
+    return ("batch_invariant=True needs jax_flash's kernels (XLA's attention may change with "
+            f"the batch), which cannot serve this call: {reason}")
+  return f"implementation={implementation!r}: {reason}"
 
 
 def _attention(q, k, v, shapes, *, scale, diag_offset, window_left, window_right, q_lens,
                kv_lens, implementation, segment_ids=(None, None), softcap=0.0,
-               deterministic=False):
+               deterministic=False, batch_invariant=False):
   dtype = jnp.result_type(q)
   # Raises here, while tracing, what the platform of the inputs cannot serve.
-  local = select_backend(implementation, _platform_of(q, k, v), dtype, shapes)
+  platform = _platform_of(q, k, v)
+  local = select_backend(implementation, platform, dtype, shapes)
   call = ffi.KernelCall(backend=local, scale=scale, diag_offset=diag_offset,
                         window_left=window_left, window_right=window_right, softcap=softcap,
-                        deterministic=deterministic)
+                        deterministic=deterministic, batch_invariant=batch_invariant)
+  if batch_invariant and local == "xla":
+    reason = ("implementation='xla'" if implementation == "xla" else
+              f"no kernel serves {np.dtype(dtype).name} head_dim {shapes.head_dim} on "
+              f"platform {platform!r}")
+    raise NotImplementedError(_no_kernel_message(None, call, reason))
   if implementation in (None, "flash"):
     call = _per_platform(implementation, call, dtype, shapes) or call
   q_segment_ids, kv_segment_ids = segment_ids
@@ -121,7 +135,8 @@ def _whole_lengths(batch: int, seq: int) -> np.ndarray:
 def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None = None,
               query_seq_lengths=None, key_value_seq_lengths=None, segment_ids=None,
               softcap: float | None = None, deterministic: bool = False,
-              return_lse: bool = False, implementation: str | None = None):
+              batch_invariant: bool = False, return_lse: bool = False,
+              implementation: str | None = None):
   """FlashAttention: ``softmax(scale * q k^T + mask) v`` without the score matrix.
 
   Args:
@@ -155,6 +170,16 @@ def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None
     deterministic: make the backward bitwise reproducible from run to run.
       The GPU backward then adds each query tile's dQ contributions in a
       fixed order (docs/history.md: its measured cost); the CPU kernels always are.
+    batch_invariant: make each sequence's output bitwise independent of the
+      rest of the batch (its size, the slot, the other sequences) and of the
+      cache buffer's length past ``key_value_seq_lengths``. Only short
+      queries whose rows see every key (decoding) may otherwise split the
+      keys by the grid's size; with this set they split every 4096 keys of
+      their own length on Hopper, giving ``paged_attention``'s result on the
+      same cache, and not at all elsewhere. That costs speed where the grid
+      split would have filled the GPU: up to 4x for one sequence of 4k keys,
+      1-4% at batch 64 (docs/history.md). XLA gives no such guarantee, so
+      calls no kernel serves raise ``NotImplementedError``.
     return_lse: also return the log-sum-exp of the scaled, masked logits,
       float32 ``[batch, heads_q, seq_q]`` (``-inf`` for rows that see no key).
     implementation: ``None`` (default) runs the kernels of the platform the
@@ -192,6 +217,7 @@ def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None
       segment_ids=validation.check_segment_ids(segment_ids, shapes),
       softcap=validation.check_softcap(softcap),
       deterministic=validation.check_flag(deterministic, "deterministic"),
+      batch_invariant=validation.check_flag(batch_invariant, "batch_invariant"),
       implementation=implementation)
   return (out, lse) if return_lse else out
 

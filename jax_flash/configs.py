@@ -61,6 +61,11 @@ class BackendSupport:
     return head_dim - head_dim_v
 
 
+# CUDA's limit on a grid's y and z dimensions, which the kernels give to
+# batch entries (times key splits) and heads.
+MAX_GRID_YZ = 65535
+
+
 def sm90_backward_serves(*, deterministic: bool, has_segments: bool, softcap: bool, batch: int,
                          heads_kv: int) -> bool:
   """Whether the Hopper backward kernels take a backward call on a Hopper GPU
@@ -72,7 +77,7 @@ def sm90_backward_serves(*, deterministic: bool, has_segments: bool, softcap: bo
     return False
   if softcap and (deterministic or has_segments):
     return False
-  return batch <= 65535 and heads_kv <= 65535
+  return batch <= MAX_GRID_YZ and heads_kv <= MAX_GRID_YZ
 
 
 CPU = BackendSupport(

@@ -56,6 +56,7 @@ class KernelCall:
   window_right: int  # -1: unbounded
   softcap: float = 0.0  # > 0: logits are softcap * tanh(logit / softcap)
   deterministic: bool = False  # backward: bitwise reproducible dQ
+  batch_invariant: bool = False  # forward: key splits independent of the batch (kv_split.py)
 
   def attributes(self, direction: str) -> dict:
     attrs = dict(scale=np.float32(self.scale), diag_offset=np.int32(self.diag_offset),
@@ -278,7 +279,11 @@ def _packed_forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds
 
 
 def _split_or_whole_forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call):
-  parts = kv_split.parts(q, k, call, has_segments=q_ids.shape[-1] > 0)
+  has_segments = q_ids.shape[-1] > 0
+  if kv_split.fixed_split_applies(q, k, v, call, has_segments=has_segments,
+                                  hopper=(gpu_compute_capability() or (0,))[0] == 9):
+    return kv_split.fixed_split_forward(q, k, v, q_lens, kv_lens, call)
+  parts = kv_split.parts(q, k, call, has_segments=has_segments)
   if parts > 1:
     return kv_split.split_forward(_forward, q, k, v, q_lens, kv_lens,
                                   (q_ids, kv_ids, kv_bounds, q_bounds), call, parts)

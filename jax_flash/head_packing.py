@@ -30,10 +30,16 @@ def group(q, k, call) -> int:
   size = heads_q // heads_kv
   if size == 1 or seq_q == 0 or seq_q >= configs.BACKENDS[call.backend].query_tile_rows:
     return 1
-  # Row i sees keys [i + diag_offset - window_left, i + diag_offset + window_right].
+  return size if all_keys_visible(seq_q, seq_k, call) else 1
+
+
+def all_keys_visible(seq_q: int, seq_k: int, call) -> bool:
+  """Whether every query row sees every key under ``call``'s diagonal and
+  window (row i sees keys [i + diag_offset - window_left, i + diag_offset +
+  window_right])."""
   left_free = call.window_left < 0 or call.window_left >= seq_q - 1 + call.diag_offset
   right_free = call.window_right < 0 or call.diag_offset + call.window_right >= seq_k - 1
-  return size if left_free and right_free else 1
+  return left_free and right_free
 
 
 def unmasked(call):

@@ -7,12 +7,22 @@ batch entries of one kernel call multiplies the CTAs; the chunks' partial
 results merge by their log-sum-exps. Only the forward splits: the backward
 kernel takes the merged lse, which is the whole problem's.
 
-The chunks are a reshape of K/V (no copy), so ``parts`` divides seq_k. A
-split needs a problem in which every query row sees every key (the rows of a
-chunk index no longer match the diagonal) and no segment ids. The partial
-outputs are rounded to the input dtype before the merge, and the number of
-chunks follows the grid size: a sequence's output may differ in its last
-bits with the batch it runs in (run to run it repeats exactly).
+A split needs a problem in which every query row sees every key (the rows of
+a chunk index no longer match the diagonal) and no segment ids. The chunks
+are a reshape of K/V (no copy), so ``parts`` divides seq_k, and their number
+follows the grid size: a sequence's output may differ in its last bits with
+the batch it runs in (run to run it repeats exactly).
+
+With ``batch_invariant`` the split no longer follows the grid. On Hopper
+(``fixed_split_forward``) the cache, viewed as 16-token pages (a reshape:
+seq_k a multiple of 16), goes through the paged kernel, which splits every
+``KEYS_PER_SPLIT`` keys of each sequence's own length, and the splits merge
+in a fixed order (``paged.merge_splits``): the result is bitwise that of
+``paged_attention`` on the same cache, whatever else is in the batch and
+however long the cache buffer is. Elsewhere the keys are not split. Either
+costs speed where the grid split would have filled the GPU (docs/history.md:
+the measurements). In both paths the partial outputs are rounded to the
+input dtype before the merge.
 """
 
 import math
@@ -20,7 +30,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_flash import configs
+from jax_flash import configs, head_packing
 
 # Measured on H100 (bench_decode.py, batch 8, 32 query / 4 kv heads, hd128)
 # as GPU time per step of 16 dependent steps in one call (results run 87):
@@ -40,19 +50,61 @@ MIN_KEYS_TO_SPLIT = 1024
 MIN_CHUNK = 256
 MAX_PARTS = 32
 
+# Keys per split of the batch-invariant path: paged_attention's default
+# kv_split_size, so that a contiguous cache and the same cache in pages give
+# bitwise the same results (the sweep behind it: docs/history.md).
+KEYS_PER_SPLIT = 4096
+# The paged kernel's page granularity and head dims (cuda_src/fwd_sm90:
+# paged_kv.PAGE_BOX, tile_config.PAGED).
+PAGE_ROWS = 16
+PAGED_HEAD_DIMS = (64, 128, 256)
+
+
+def fixed_split_applies(q, k, v, call, *, has_segments: bool, hopper: bool) -> bool:
+  """Whether this forward call runs on ``fixed_split_forward``: a short query
+  (one tile of rows, after head packing) on Hopper whose rows all see every
+  key. Only the batch size decides beyond the shape of one sequence, and
+  only past the grid's limit (65535 sequences x splits)."""
+  if not (call.batch_invariant and hopper and call.backend == "gpu") or q.ndim != 4 or has_segments:
+    return False
+  from jax_flash import paged  # paged imports ffi, which imports this module
+
+  batch, seq_q = q.shape[:2]
+  seq_k = k.shape[1]
+  splits = -(-seq_k // KEYS_PER_SPLIT)
+  return (batch * splits <= configs.MAX_GRID_YZ and 0 < seq_q < configs.BACKENDS["gpu"].query_tile_rows and seq_k % PAGE_ROWS == 0
+          and seq_k > 0 and head_packing.all_keys_visible(seq_q, seq_k, call)
+          and paged._CUDA_REGISTERED and q.dtype in (jnp.float16, jnp.bfloat16)
+          and q.shape[-1] == v.shape[-1] in PAGED_HEAD_DIMS)
+
+
+def fixed_split_forward(q, k, v, q_lens, kv_lens, call):
+  """The forward of ``fixed_split_applies`` calls: (out, lse) as the whole
+  forward gives them (rows past ``q_lens`` zero, lse ``-inf``)."""
+  from jax_flash import paged
+
+  batch, seq_q = q.shape[:2]
+  seq_k, heads_kv = k.shape[1:3]
+  pages_per_row = seq_k // PAGE_ROWS
+  as_pages = lambda x: x.reshape(batch * pages_per_row, PAGE_ROWS, heads_kv, x.shape[-1])
+  table = jnp.arange(batch * pages_per_row, dtype=jnp.int32).reshape(batch, pages_per_row)
+  q_lens = jnp.clip(jnp.asarray(q_lens, jnp.int32), 0, seq_q)
+  kv_lens = jnp.clip(jnp.asarray(kv_lens, jnp.int32), 0, seq_k)
+  out, lse = paged._paged_kernel(q, as_pages(k), as_pages(v), table, kv_lens, q_lens,
+                                scale=call.scale, softcap=call.softcap, window_left=-1,
+                                window_right=-1, split_keys=KEYS_PER_SPLIT)
+  padding = jnp.arange(seq_q)[None, None, :] >= q_lens[:, None, None]
+  return out, jnp.where(padding, -jnp.inf, lse)
+
 
 def parts(q, k, call, has_segments: bool) -> int:
   """How many key chunks this forward call runs as (1: no split)."""
   target = configs.BACKENDS[call.backend].kv_split_ctas
-  if not target or q.ndim != 4 or has_segments:
+  if not target or call.batch_invariant or q.ndim != 4 or has_segments:
     return 1
   batch, seq_q, heads_q, _ = q.shape
   seq_k = k.shape[1]
-  if seq_k < MIN_KEYS_TO_SPLIT:
-    return 1
-  left_free = call.window_left < 0 or call.window_left >= seq_q - 1 + call.diag_offset
-  right_free = call.window_right < 0 or call.diag_offset + call.window_right >= seq_k - 1
-  if not (left_free and right_free):
+  if seq_k < MIN_KEYS_TO_SPLIT or not head_packing.all_keys_visible(seq_q, seq_k, call):
     return 1
   tile_rows = configs.BACKENDS[call.backend].query_tile_rows
   ctas = math.ceil(seq_q / max(tile_rows, 1)) * heads_q * batch

@@ -1,11 +1,16 @@
 """The short-query paths of the kernel calls: GQA query-head packing
 (head_packing.py) and the split-KV forward (kv_split.py)."""
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_flash import ffi, head_packing, kv_split
+import jax_flash
+import numerics
+from jax_flash import ffi, head_packing, kv_split, paged
 
 
 def group(seq_q, diag_offset, window_left, window_right, heads_kv=2, seq_k=100):
@@ -80,3 +85,119 @@ def test_kv_split_matches_whole_forward(parts):
   np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(lse, want_lse, atol=1e-5, rtol=1e-5)
   assert np.all(np.asarray(out)[2] == 0) and np.all(np.isneginf(np.asarray(lse)[2]))
+
+
+def test_fixed_split_routing(monkeypatch):
+  # Which calls take the batch-invariant path: decided by one sequence's
+  # shape, never by the batch (below the grid's limit).
+  monkeypatch.setattr(paged, "_CUDA_REGISTERED", True)
+  gpu = ffi.KernelCall("gpu", 0.1, 0, -1, -1, batch_invariant=True)
+
+  def applies(batch=2, rows=4, seq_k=4096, head_dim=128, dtype=jnp.bfloat16, call=gpu,
+              hopper=True, has_segments=False):
+    q = jax.ShapeDtypeStruct((batch, rows, 2, head_dim), dtype)
+    k = jax.ShapeDtypeStruct((batch, seq_k, 2, head_dim), dtype)
+    return kv_split.fixed_split_applies(q, k, k, call, has_segments=has_segments, hopper=hopper)
+
+  assert applies() and applies(batch=1) and applies(batch=512) and applies(seq_k=16)
+  assert applies(batch=65535 // 2, seq_k=8192) and not applies(batch=65535 // 2 + 1, seq_k=8192)
+  assert not applies(hopper=False)
+  assert not applies(seq_k=4100)  # not a whole number of 16-token pages
+  assert not applies(rows=128)  # a prefill tile: no split
+  assert not applies(head_dim=96) and not applies(dtype=jnp.float32)
+  assert not applies(has_segments=True)
+  assert not applies(call=ffi.KernelCall("gpu", 0.1, 4092, -1, 0, batch_invariant=True))
+  assert not applies(call=ffi.KernelCall("cpu", 0.1, 0, -1, -1, batch_invariant=True))
+  assert not applies(call=ffi.KernelCall("gpu", 0.1, 0, -1, -1))  # not asked for
+  # Asked for, the grid split is off everywhere.
+  q = jax.ShapeDtypeStruct((1, 4, 2, 64), np.float32)
+  k = jax.ShapeDtypeStruct((1, 4096, 2, 64), np.float32)
+  assert kv_split.parts(q, k, gpu, has_segments=False) == 1
+
+
+def test_batch_invariant_on_cpu_and_its_errors():
+  # The CPU kernels never split: a row's output is the same in any batch.
+  q, k, v, lens = _decode_inputs(7, [300, 5, 1000], 1024, heads=(8, 2), head_dim=64,
+                                 dtype=jnp.float32)
+  full = _decode(q, k, v, lens, None, batch_invariant=True)
+  alone = _decode(q[2:], k[2:, :1000], v[2:, :1000], lens[2:], None, batch_invariant=True)
+  for f, a in zip(full, alone):
+    np.testing.assert_array_equal(f[2:], a)
+  with pytest.raises(NotImplementedError, match="batch_invariant=True needs jax_flash's kernels"):
+    _decode(q, k, v, lens, "xla", batch_invariant=True)
+  with pytest.raises(NotImplementedError, match="batch_invariant=True needs jax_flash's kernels"):
+    wide = jnp.zeros((3, 1, 8, 520), jnp.float32)  # past the CPU kernels' 512
+    _decode(wide, wide[:, :, :2], wide[:, :, :2], lens, None, batch_invariant=True)
+  with pytest.raises(ValueError, match="batch_invariant"):
+    _decode(q, k, v, lens, None, batch_invariant="yes")
+
+
+def _hopper_paged_reason():
+  if jax.default_backend() != "gpu":
+    return "no CUDA GPU visible to JAX"
+  if (ffi.gpu_compute_capability() or (0,))[0] != 9 or not paged._CUDA_REGISTERED:
+    return "needs a Hopper GPU and the paged kernel"
+  return None
+
+
+def _decode_inputs(seed, lengths, capacity, *, seq_q=1, heads=(32, 8), head_dim=128,
+                   dtype=jnp.bfloat16):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  batch = len(lengths)
+  q = jax.random.normal(keys[0], (batch, seq_q, heads[0], head_dim), dtype)
+  k = jax.random.normal(keys[1], (batch, capacity, heads[1], head_dim), dtype)
+  v = jax.random.normal(keys[2], (batch, capacity, heads[1], head_dim), dtype)
+  return q, k, v, jnp.asarray(lengths, jnp.int32)
+
+
+def _decode(q, k, v, lengths, implementation="flash", **kwargs):
+  return jax_flash.attention(q, k, v, causal=True, key_value_seq_lengths=lengths,
+                             return_lse=True, implementation=implementation, **kwargs)
+
+
+_invariant = functools.partial(_decode, batch_invariant=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_hopper_paged_reason() is not None, reason=str(_hopper_paged_reason()))
+class TestInvariantDecodeGpu:
+
+  @pytest.mark.parametrize("seq_q,heads,dim,kind", [
+      (1, (32, 8), 128, jnp.bfloat16), (1, (8, 8), 64, jnp.float16),
+      (3, (16, 2), 256, jnp.bfloat16), (1, (8, 1), 128, jnp.float16)])
+  def test_matches_reference(self, seq_q, heads, dim, kind):
+    lengths = [1, 17, 1000, 4097, 0, 8192]
+    q, k, v, lens = _decode_inputs(3, lengths, 8192, seq_q=seq_q, heads=heads, head_dim=dim,
+                                   dtype=kind)
+    got = _invariant(q, k, v, lens, softcap=20.0)
+    ref = _decode(*(x.astype(jnp.float32) for x in (q, k, v)), lens, "xla", softcap=20.0)
+    naive = _decode(q, k, v, lens, "xla", softcap=20.0)
+    for name, g, r, n in zip(("out", "lse"), got, ref, naive):
+      numerics.assert_within_tolerance(name, g, r, n, kind, reduction=8192)
+
+  def test_batch_invariant(self):
+    """One sequence's output, bitwise: alone, in another slot of a larger
+    batch beside other lengths, and in a longer cache buffer."""
+    length = 5000
+    q, k, v, lens = _decode_inputs(4, [length], 8192)
+    alone = _invariant(q, k, v, lens)
+    others_q, others_k, others_v, _ = _decode_inputs(5, [1] * 6, 16384)
+    slot = 4
+    mixed = _invariant(others_q.at[slot].set(q[0]), others_k.at[slot, :8192].set(k[0]),
+                    others_v.at[slot, :8192].set(v[0]),
+                    jnp.asarray([70, 16384, 3, 9000, length, 1], jnp.int32))
+    for a, m in zip(alone, mixed):
+      np.testing.assert_array_equal(m[slot], a[0])
+
+  def test_equals_paged_attention(self):
+    # The same cache as 16-token pages: bitwise the same (same kernel, splits).
+    q, k, v, lens = _decode_inputs(6, [4097, 12, 8192], 8192, seq_q=2)
+    out, lse = jax_flash.attention(q, k, v, key_value_seq_lengths=lens, return_lse=True,
+                                   batch_invariant=True, implementation="flash")
+    pages = lambda x: x.reshape(-1, 16, *x.shape[2:])
+    table = jnp.arange(3 * 512, dtype=jnp.int32).reshape(3, 512)
+    paged_out, paged_lse = jax_flash.paged_attention(q, pages(k), pages(v), table, lens,
+                                                     causal=False, return_lse=True,
+                                                     implementation="flash")
+    np.testing.assert_array_equal(out, paged_out)
+    np.testing.assert_array_equal(lse, paged_lse)
