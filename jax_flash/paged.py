@@ -20,9 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import api, ffi, validation
+from jax_flash import _cpu_ffi, api, configs, ffi, reference, validation
 
 _PAGED_TARGET = "jax_flash_gpu_paged_fwd_v1"
+_CPU_PAGED_TARGET = "jax_flash_cpu_paged_fwd_v1"
 # The kernel fills a key tile from boxes of this many keys, one page each
 # (cuda_src/fwd_sm90/paged_kv.py: PAGE_BOX).
 _PAGE_ALIGN = 16
@@ -44,6 +45,8 @@ def _register_cuda() -> bool:
 
 
 _CUDA_REGISTERED = _register_cuda()
+for _name, _capsule in _cpu_ffi.paged_registrations().items():
+  jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 
 
 def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_lengths=None,
@@ -110,11 +113,15 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
   cache_lengths = jnp.asarray(cache_lengths, jnp.int32)
   query_lengths = jnp.asarray(query_lengths, jnp.int32)
   page_table = jnp.asarray(page_table, jnp.int32)
-  reason = _kernel_unavailable_reason(q, shapes) if implementation != "xla" else "xla"
-  if reason is None:
+  platform = api._platform_of(q)
+  reason = _kernel_unavailable_reason(platform, q, shapes) if implementation != "xla" else "xla"
+  mask = dict(scale=scale, softcap=softcap, window_left=window_left, window_right=window_right)
+  if reason is None and platform == "cpu":
+    out, lse = _paged_kernel_cpu(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
+                                 **mask)
+  elif reason is None:
     out, lse = _paged_kernel(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
-                             scale=scale, softcap=softcap, window_left=window_left,
-                             window_right=window_right, split_keys=kv_split_size)
+                             **mask, split_keys=kv_split_size)
   elif implementation == "flash":
     raise NotImplementedError(f"implementation='flash': {reason}")
   else:
@@ -171,18 +178,22 @@ def write_paged_cache(k_pages, v_pages, k, v, page_table, cache_lengths, query_l
 def paged_attention_reference(q, k_pages, v_pages, page_table, cache_lengths, query_lengths, *,
                               scale, softcap=0.0, window_left=-1, window_right=0):
   """The same maths in XLA over the gathered pages, in float32: returns
-  ``(out in q's dtype, lse)``. Slots past a sequence's length never reach
-  the result (its values are zeroed before the product with P)."""
-  batch, max_new = q.shape[:2]
-  num_pages, page_size = k_pages.shape[:2]
+  ``(out in q's dtype, lse)``.
+
+  NaN semantics of ``reference.attention_reference``: a NaN or Inf in a
+  position a query row sees (its q row, a visible key's k or v) makes that
+  row's output (for v: that column) non-finite and, for q or k, its lse NaN,
+  as a float32 softmax would; nothing the row does not see reaches it (slots
+  past the lengths, other rows' keys, unused pages). A row that sees no key
+  gives zeros and lse ``-inf``."""
+  batch, max_new, heads_q, _ = q.shape
+  num_pages, page_size, heads_kv = k_pages.shape[:3]
   max_keys = page_table.shape[1] * page_size
   ids = jnp.asarray(page_table, jnp.int32)
   ids = jnp.where((ids >= 0) & (ids < num_pages), ids, num_pages)  # outside the pool: zeros
   gather = lambda pages: jnp.take(pages, ids, axis=0, mode="fill", fill_value=0).reshape(
       batch, max_keys, *pages.shape[2:]).astype(jnp.float32)
   keys, values = gather(k_pages), gather(v_pages)
-  group = q.shape[2] // k_pages.shape[2]
-  keys, values = jnp.repeat(keys, group, axis=2), jnp.repeat(values, group, axis=2)
   lengths = jnp.clip(cache_lengths, 0, max_keys)
   q_lens = jnp.clip(query_lengths, 0, max_new)
   position = (lengths - q_lens)[:, None] + jnp.arange(max_new)[None]  # [B, T]
@@ -193,21 +204,21 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, cache_lengths, qu
     visible &= key[None, None] >= position[..., None] - window_left
   if window_right >= 0:
     visible &= key[None, None] <= position[..., None] + window_right
-  exact = jax.lax.Precision.HIGHEST  # float32 products, also where XLA would take TF32
-  logits = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), keys, precision=exact) * scale
-  if softcap:
-    logits = softcap * jnp.tanh(logits / softcap)
-  visible = visible[:, None]  # [B, 1, T, S]
-  logits = jnp.where(visible, logits, -jnp.inf)
-  row_max = jnp.max(logits, axis=-1, keepdims=True)
-  seen = jnp.isfinite(row_max)
-  weights = jnp.where(visible, jnp.exp(logits - jnp.where(seen, row_max, 0.0)), 0.0)
-  total = jnp.sum(weights, axis=-1, keepdims=True)
-  values = jnp.where((key[None, :] < lengths[:, None])[..., None, None], values, 0.0)
-  out = jnp.einsum("bhts,bshd->bthd", weights / jnp.where(seen, total, 1.0), values,
-                   precision=exact)
-  lse = jnp.where(seen, row_max + jnp.log(total), -jnp.inf)[..., 0]
-  return out.astype(q.dtype), lse
+  # Float32 products, also where XLA would take TF32.
+  with jax.default_matmul_precision("highest"):
+    logits, _ = reference._logits(q.astype(jnp.float32), keys, scale=scale, softcap=softcap,
+                                  acc_dtype=jnp.float32)  # [B, K, G, T, S], NaN if not finite
+    logits = jnp.where(visible[:, None, None], logits, -jnp.inf)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)  # NaN if a visible logit is
+    weights = jnp.exp(logits - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    seen = total != 0  # NaN included
+    safe_total = jnp.where(seen, total, 1.0)
+    out = jnp.einsum("bkgts,bskh->btkgh", weights / safe_total, reference._finite_or_zero(values))
+    bad_values = reference._nonfinite_seen(visible, values, "ts")  # [B, T, K, Hv]
+  out = jnp.where(bad_values[:, :, :, None], jnp.nan, out).reshape(batch, max_new, heads_q, -1)
+  lse = jnp.where(seen, row_max + jnp.log(safe_total), -jnp.inf)[..., 0]
+  return out.astype(q.dtype), lse.reshape(batch, heads_q, max_new)
 
 
 def merge_splits(out, lse):
@@ -280,8 +291,26 @@ def _paged_kernel(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
   return jnp.where(padding, jnp.zeros((), out.dtype), out), lse
 
 
-def _kernel_unavailable_reason(q, shapes) -> str | None:
-  platform = api._platform_of(q)
+def _paged_kernel_cpu(q, k_pages, v_pages, page_table, cache_lengths, query_lengths, *, scale,
+                      softcap, window_left, window_right):
+  """The CPU kernel (cuda_src/cpu/paged_cpu.cc): each sequence whole, one
+  task per (sequence, kv head, block of query rows), so no splits to merge."""
+  batch, max_new, heads_q, _ = q.shape
+  max_pages = page_table.shape[1]
+  out_type = jax.ShapeDtypeStruct((batch, max_new, heads_q, v_pages.shape[-1]), q.dtype)
+  lse_type = jax.ShapeDtypeStruct((batch, heads_q, max_new), jnp.float32)
+  if max_pages == 0:  # no cache: every row sees nothing
+    return jnp.zeros(out_type.shape, q.dtype), jnp.full(lse_type.shape, -jnp.inf, jnp.float32)
+  kernel = jax.ffi.ffi_call(_CPU_PAGED_TARGET, (out_type, lse_type))
+  return kernel(q, k_pages, v_pages, page_table, query_lengths, cache_lengths,
+                scale=np.float32(scale), softcap=np.float32(softcap),
+                window_left=np.int32(window_left), window_right=np.int32(window_right),
+                split_pages=np.int32(max_pages))
+
+
+def _kernel_unavailable_reason(platform, q, shapes) -> str | None:
+  if platform == "cpu":
+    return configs.CPU.unsupported_reason(q.dtype, shapes["head_dim"], shapes["head_dim_v"])
   if platform != "gpu":
     return f"jax_flash has no paged kernel for platform {platform!r} yet"
   if not _CUDA_REGISTERED:

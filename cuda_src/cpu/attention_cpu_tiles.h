@@ -232,13 +232,14 @@ inline bool all_finite(const float* tile, int rows, int width, int ld) {
   return non_finite == 0;
 }
 
-// c[i][j] = sum_d a[i][d] * bt[d][j] for a kRows x kCols tile. Four d steps are
-// fused per pass over a row of c to cut its loads and stores; the sum is still
-// accumulated in increasing d, exactly as a plain loop would.
+// c[i][j] = sum_d a[i][d] * bt[d][j] for the first `rows` rows of a kRows x
+// kCols tile. Four d steps are fused per pass over a row of c to cut its loads
+// and stores; the sum is still accumulated in increasing d, exactly as a plain
+// loop would, so a row's products do not depend on the other rows.
 template <int kRows, int kCols>
 void matmul_abt(const float* __restrict a, const float* __restrict bt,
-                int depth, float* __restrict c) {
-  for (int i = 0; i < kRows; ++i) {
+                int depth, float* __restrict c, int rows = kRows) {
+  for (int i = 0; i < rows; ++i) {
     const float* ai = a + i * depth;
     float* ci = c + i * kCols;
     for (int j = 0; j < kCols; ++j) ci[j] = 0.0f;
@@ -332,6 +333,60 @@ inline float row_max(const float* __restrict x, int n) {
   for (float v : part) best = max_or_nan(v, best);
   return best;
 }
+
+// ---- one query row of the forward's online softmax -------------------------
+
+// A query row's running state: the maximum log2 logit seen, the sum of the
+// weights relative to it, and the weighted sum of value rows in `acc`.
+struct RowSoftmax {
+  float max = kNegInf;
+  float sum = 0.0f;
+  float* acc;  // head_dim_v floats, zeroed by the caller
+
+  // Takes the keys [a, e) of a tile into the row: `s` holds their raw q.k
+  // products (overwritten), `v_tile` their value rows (width dim_v). A NaN
+  // logit (Logits::log2_logit_or_nan) stays NaN through the max, sum and
+  // output: the row saw a NaN or Inf. Only keys [a, e) are read, so nothing
+  // the row does not see reaches it.
+  void add_keys(const Logits& logits, float* __restrict s, int a, int e,
+                const float* __restrict v_tile, int dim_v,
+                float* __restrict partial) {
+    if (logits.capped) {
+      for (int j = a; j < e; ++j) s[j] = logits.log2_logit_or_nan(s[j]);
+    } else {
+      for (int j = a; j < e; ++j) s[j] = logits.uncapped_log2_logit_or_nan(s[j]);
+    }
+    const float new_max = max_or_nan(row_max(s + a, e - a), max);
+    const float rescale = exp2_poly(max - new_max);
+    for (int j = a; j < e; ++j) s[j] = exp2_poly(s[j] - new_max);
+    sum = sum * rescale + row_sum(s + a, e - a);
+    max = new_max;
+    if (rescale != 1.0f) {
+      for (int d = 0; d < dim_v; ++d) acc[d] *= rescale;
+    }
+    add_tile_sum(s, 1, a, e, v_tile, dim_v, partial, acc);
+  }
+
+  // Writes the row's output and natural-log lse; zeros and -inf for a row
+  // that saw no key (a row that saw one has sum >= 1, its maximum's 2^0, or
+  // NaN).
+  template <class Codec>
+  void store(int dim_v, typename Codec::Storage* out, float* lse) const {
+    if (sum != 0.0f) {
+      const float inv = 1.0f / sum;
+      for (int d = 0; d < dim_v; ++d) out[d] = Codec::store(acc[d] * inv);
+      *lse = (max + std::log2(sum)) * kLn2;
+    } else {
+      store_empty<Codec>(dim_v, out, lse);
+    }
+  }
+
+  template <class Codec>
+  static void store_empty(int dim_v, typename Codec::Storage* out, float* lse) {
+    for (int d = 0; d < dim_v; ++d) out[d] = Codec::store(0.0f);
+    *lse = kNegInf;
+  }
+};
 
 // ---- work distribution ------------------------------------------------------
 

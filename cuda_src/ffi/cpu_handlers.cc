@@ -2,6 +2,7 @@
 #include <nanobind/nanobind.h>
 
 #include "attention_ffi.h"
+#include "paged_ffi.h"
 
 namespace jax_flash {
 namespace {
@@ -61,9 +62,24 @@ ffi::Error BwdCpuV1(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::A
                            nullptr, scale, diag_offset, window_left, window_right, Options{});
 }
 
+// The paged forward (paged_ffi.h), each sequence in one split.
+ffi::Error PagedFwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                       ffi::AnyBuffer page_table, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
+                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                       float scale, float softcap, int32_t window_left, int32_t window_right,
+                       int32_t split_pages) {
+  auto launch = [](const JfPagedFwdArgs& args) {
+    return CallKernel([&](char* err, size_t n) { return jax_flash_paged_fwd_cpu(&args, err, n); });
+  };
+  return PagedForward(launch, q, k_pages, v_pages, page_table, q_lens, kv_lens, o, lse, scale,
+                      softcap, window_left, window_right, split_pages);
+}
+
 }  // namespace
 }  // namespace jax_flash
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashPagedFwdCpu, jax_flash::PagedFwdCpu,
+                              jax_flash::BindPagedForward(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashFwdCpu, jax_flash::FwdCpu,
                               jax_flash::BindForward(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBwdCpu, jax_flash::BwdCpu,
@@ -88,6 +104,12 @@ NB_MODULE(_cpu_ffi, m) {
     targets["bwd_v2"] = Capsule(JaxFlashBwdCpu);
     targets["fwd_v1"] = Capsule(JaxFlashFwdCpuV1);
     targets["bwd_v1"] = Capsule(JaxFlashBwdCpuV1);
+    return targets;
+  });
+  // Separate from registrations(), whose keys ffi.py reads as <direction>_<version>.
+  m.def("paged_registrations", []() {
+    nb::dict targets;
+    targets["jax_flash_cpu_paged_fwd_v1"] = Capsule(JaxFlashPagedFwdCpu);
     return targets;
   });
 }

@@ -194,7 +194,10 @@ int jax_flash_bwd_sm90_can_implement(const JfProblem* problem);
 int jax_flash_bwd_sm90_dq_tile_rows(int32_t head_dim, int32_t head_dim_v);
 int jax_flash_bwd_sm90(const JfBwdArgs* args, void* stream, char* err,
                        size_t err_len);
-// The paged forward (Hopper only): 1 when it serves the problem.
+// The paged forward on the CPU: split_pages must equal max_pages (each
+// sequence is one split; it is batch invariant without splitting).
+int jax_flash_paged_fwd_cpu(const JfPagedFwdArgs* args, char* err, size_t err_len);
+// The paged forward on Hopper: 1 when it serves the problem.
 int jax_flash_fwd_sm90_paged_can_implement(const JfPagedFwdArgs* args);
 int jax_flash_fwd_sm90_paged(const JfPagedFwdArgs* args, void* stream, char* err,
                              size_t err_len);
