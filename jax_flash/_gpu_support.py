@@ -10,12 +10,18 @@ Spark) -- the kernels' modules would fail to load at the first launch, so
 ``implementation=None``, to a NotImplementedError that names the GPU with
 ``implementation="flash"`` or ``"gpu"``.
 
+On 8.6 and 8.9 a block has less shared memory than on 8.0, too little for
+some of the sm_80 kernels' tiles (configs.SM80_SHARED_MEMORY): calls whose
+forward cannot launch there are routed the same way, and a backward that
+cannot runs XLA's backward with ``implementation=None`` (the forward keeps
+the kernel) or raises with ``"flash"`` / ``"gpu"`` when it is traced.
+
 Only the first GPU is looked at (as ``ffi.gpu_compute_capability`` does).
 """
 
 import jax
 
-from jax_flash import ffi
+from jax_flash import configs, ffi
 
 # The compiled targets, in words. Keep in step with the rule below and with
 # the architectures cmake/cuda_kernels.cmake exports (JF_FAMILY_ARCHS_*).
@@ -29,6 +35,31 @@ def capability_unsupported_reason(capability: tuple[int, int], device_kind: str)
     return None
   return (f"the GPU kernels are compiled for {_TARGETS}; {device_kind} has compute capability "
           f"{major}.{minor}")
+
+
+# Shared memory one block may opt into where a compute capability has less
+# than the sm_80 kernels' tiles take (the CUDA C++ programming guide's table
+# of technical specifications): 8.6 and 8.9, that is RTX 30xx / 40xx, A10,
+# A40, L4, L40. 8.0 and 8.7 have 163 KiB, 9.0 227 KiB.
+_SHARED_MEMORY_PER_BLOCK = {(8, 6): 99 * 1024, (8, 9): 99 * 1024}
+
+
+def shared_memory_reason(capability, direction: str, head_dim: int) -> str | None:
+  """Why the sm_80 ``direction`` ("forward" or "backward") kernel for
+  ``head_dim`` cannot launch on a GPU of this compute capability (its tiles
+  take more shared memory than a block may have there), or None."""
+  limit = _SHARED_MEMORY_PER_BLOCK.get(tuple(capability)) if capability else None
+  need = configs.SM80_SHARED_MEMORY[direction].get(head_dim)
+  if limit is None or need is None or need <= limit:
+    return None
+  return (f"the GPU {direction} kernel for head_dim {head_dim} takes {need} bytes of shared "
+          f"memory per block; {gpu_device_kind()} (compute capability {capability[0]}."
+          f"{capability[1]}) has {limit}")
+
+
+def device_reason(direction: str, head_dim: int) -> str | None:
+  """``shared_memory_reason`` for the first GPU, if this process has one."""
+  return shared_memory_reason(ffi.gpu_compute_capability(), direction, head_dim)
 
 
 def gpu_device_kind() -> str:

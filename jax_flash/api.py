@@ -39,6 +39,8 @@ def select_backend(implementation, platform: str, dtype, shapes: validation.Shap
   else:
     reason = configs.BACKENDS[requested].unsupported_reason(dtype, shapes.head_dim,
                                                             shapes.head_dim_v)
+    if reason is None and requested == "gpu":
+      reason = _gpu_support.device_reason("forward", shapes.head_dim)
   if reason is None:
     return requested
   if implementation is None:
@@ -53,7 +55,7 @@ def _lowering_reason(backend: str, dtype, shapes: validation.Shapes) -> str | No
   the serving host supplies them."""
   reason = configs.BACKENDS[backend].unsupported_reason(dtype, shapes.head_dim, shapes.head_dim_v)
   if reason is None and backend == "gpu" and ffi.gpu_compute_capability() is not None:
-    reason = _gpu_unavailable_reason()
+    reason = _gpu_unavailable_reason() or _gpu_support.device_reason("forward", shapes.head_dim)
   return reason
 
 
@@ -94,6 +96,12 @@ def _attention(q, k, v, shapes, *, scale, diag_offset, window_left, window_right
   call = ffi.KernelCall(backend=local, scale=scale, diag_offset=diag_offset,
                         window_left=window_left, window_right=window_right, softcap=softcap,
                         deterministic=deterministic, batch_invariant=batch_invariant)
+  if (local == "gpu" or implementation in (None, "flash")) and ffi.gpu_compute_capability():
+    if reason := _gpu_support.device_reason("backward", shapes.head_dim):
+      call = (dataclasses.replace(call, backward_on_xla=True) if implementation is None else
+              dataclasses.replace(call, backward_unavailable=(
+                  f"implementation={implementation!r}: {reason}; implementation=None runs "
+                  "XLA's backward instead")))
   if batch_invariant and local == "xla":
     reason = ("implementation='xla'" if implementation == "xla" else
               f"no kernel serves {np.dtype(dtype).name} head_dim {shapes.head_dim} on "

@@ -108,3 +108,13 @@ GPU = BackendSupport(
 )
 
 BACKENDS = {"cpu": CPU, "gpu": GPU}
+
+# Shared memory per block of the sm_80 kernels, in bytes, by head dim: the
+# forward's Q, K and V tiles (cuda_src/fwd_sm80/kernel.py TILE_CONFIG) and
+# two int32 per warp, and FlashBwdSm80.smem_bytes (cuda_src/bwd_sm80/
+# kernel.py). tests/test_kernel_build.py recomputes them from the kernels;
+# _gpu_support.py routes GPUs with less.
+SM80_SHARED_MEMORY = {
+    "forward": {64: 49184, 96: 49184, 128: 65568, 192: 98368, 256: 131136},
+    "backward": {64: 99328, 96: 132096, 128: 164864, 192: 164864, 256: 139776},
+}

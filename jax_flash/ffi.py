@@ -57,6 +57,10 @@ class KernelCall:
   softcap: float = 0.0  # > 0: logits are softcap * tanh(logit / softcap)
   deterministic: bool = False  # backward: bitwise reproducible dQ
   batch_invariant: bool = False  # forward: key splits independent of the batch (kv_split.py)
+  # Where the GPU's shared memory is too small for the backward's tiles
+  # (_gpu_support.py): run XLA's backward, or the reason to raise when traced.
+  backward_on_xla: bool = False
+  backward_unavailable: str = ""
 
   def attributes(self, direction: str) -> dict:
     attrs = dict(scale=np.float32(self.scale), diag_offset=np.int32(self.diag_offset),
@@ -303,7 +307,9 @@ def _forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call:
 
 def _backward_on(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds,
                  call: KernelCall):
-  if call.backend == "xla":
+  if call.backward_unavailable and call.backend == "gpu":
+    raise NotImplementedError(call.backward_unavailable)
+  if call.backend == "xla" or (call.backward_on_xla and call.backend == "gpu"):
     return reference.backward_like_kernels(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids,
                                            kv_ids, **call.mask())
   # Zero columns of V and dout change neither dP nor dQ / dK; their dV

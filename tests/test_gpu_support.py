@@ -4,12 +4,15 @@ compute capability mocked: 8.x and 9.0 run them; every other GPU (Blackwell
 refused, naming the GPU, with implementation="flash" -- never a launch of
 kernels whose machine code that GPU cannot load."""
 
+import dataclasses
 import re
 
+import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_flash import _gpu_support, api, ffi, validation
+import jax_flash
+from jax_flash import _gpu_support, api, configs, ffi, validation
 
 SHAPES = validation.Shapes(batch=1, seq_q=128, seq_k=128, heads_q=2, heads_kv=2, head_dim=128,
                            head_dim_v=128)
@@ -66,3 +69,44 @@ def test_routing(gpu):
     gpu(capability, "a supported GPU")
     assert api.select_backend(None, "gpu", jnp.bfloat16, SHAPES) == "gpu"
     assert api.select_backend("flash", "gpu", jnp.bfloat16, SHAPES) == "gpu"
+
+
+@pytest.mark.parametrize("capability, direction, head_dim, fits", [
+    ((8, 6), "forward", 192, True), ((8, 6), "forward", 256, False),
+    ((8, 9), "backward", 64, True), ((8, 9), "backward", 96, False),
+    ((8, 0), "forward", 256, True), ((8, 0), "backward", 256, True),
+    ((8, 7), "backward", 128, True), ((9, 0), "backward", 256, True)])
+def test_shared_memory_per_block(gpu, capability, direction, head_dim, fits):
+  # 8.6 / 8.9 give a block 99 KiB: the hd256 forward tile and the backward
+  # tiles from hd96 on need more.
+  gpu(capability, "NVIDIA L4")
+  reason = _gpu_support.shared_memory_reason(capability, direction, head_dim)
+  if fits:
+    assert reason is None
+  else:
+    assert reason == (f"the GPU {direction} kernel for head_dim {head_dim} takes "
+                      f"{configs.SM80_SHARED_MEMORY[direction][head_dim]} bytes of shared memory "
+                      f"per block; NVIDIA L4 (compute capability {capability[0]}.{capability[1]}) "
+                      "has 101376")
+
+
+def test_small_shared_memory_routing(gpu):
+  gpu((8, 9), "NVIDIA L4")
+  wide = dataclasses.replace(SHAPES, head_dim=256, head_dim_v=256)
+  assert api.select_backend(None, "gpu", jnp.bfloat16, wide) == "xla"
+  with pytest.raises(NotImplementedError, match="implementation='flash': the GPU forward kernel "
+                     "for head_dim 256 takes 131136 bytes"):
+    api.select_backend("flash", "gpu", jnp.bfloat16, wide)
+  assert api.select_backend("flash", "gpu", jnp.bfloat16, SHAPES) == "gpu"
+  # hd128: the forward runs the kernel, the backward cannot.
+  x = jnp.zeros((1, 16, 2, 128), jnp.bfloat16)
+  loss = lambda implementation: lambda q: jax_flash.attention(
+      q, x, x, implementation=implementation).astype(jnp.float32).sum()
+  with pytest.raises(NotImplementedError, match="implementation='gpu': the GPU backward kernel "
+                     "for head_dim 128 takes 164864 bytes.*implementation=None runs XLA's"):
+    jax.make_jaxpr(jax.grad(loss("gpu")))(x)
+  call = ffi.KernelCall("gpu", 0.1, 0, -1, -1, backward_on_xla=True)
+  grads = jax.make_jaxpr(lambda *a: ffi._backward_on(*a, call))(
+      x, x, x, x, jnp.zeros((1, 2, 16), jnp.float32), jnp.zeros((1, 2, 16), jnp.float32),
+      *[jnp.full((1,), 16, jnp.int32)] * 2, *ffi.no_segments(x))
+  assert "custom_call" not in str(grads) and "ffi_call" not in str(grads)

@@ -5,8 +5,11 @@ instead of passing silently; the SASS one (cuda_src/sass_checks.py) must
 find the forward's softmax exp2s on the right side of the wait for the PV
 GEMM."""
 
+import importlib.util
 import pathlib
 import sys
+
+import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "cuda_src"))
 
@@ -118,3 +121,26 @@ def test_hopper_backward_named_barriers_do_not_collide():
     assert all(0 <= i < 16 for i in ids), ids
   # Barrier 0 (__syncthreads) serves BAR_ALONE only because no role uses it.
   assert b.BAR_ALONE not in in_step
+
+
+def test_sm80_shared_memory_table_matches_the_kernels():
+  """configs.SM80_SHARED_MEMORY, by which GPUs with 99 KiB per block are
+  routed (jax_flash/_gpu_support.py), is what the sm_80 kernels allocate."""
+  pytest.importorskip("cutlass")
+  from jax_flash import configs
+  root = pathlib.Path(__file__).resolve().parents[1] / "cuda_src"
+  forward = _load(root / "fwd_sm80" / "kernel.py", "fwd_sm80_kernel")
+  backward = _load(root / "bwd_sm80" / "kernel.py", "bwd_sm80_kernel")
+  int32 = 4
+  assert configs.SM80_SHARED_MEMORY["forward"] == {
+      hd: 2 * hd * (rows + 2 * cols) + 2 * warps * int32
+      for hd, (rows, cols, warps) in forward.TILE_CONFIG.items()}
+  assert configs.SM80_SHARED_MEMORY["backward"] == {
+      hd: backward.FlashBwdSm80.smem_bytes(hd) for hd in backward.TILE_CONFIGS}
+
+
+def _load(path, name):
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
