@@ -51,7 +51,7 @@ for _name, _capsule in _cpu_ffi.paged_registrations().items():
 
 def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_lengths=None,
                     causal: bool = True, window=None, scale: float | None = None,
-                    softcap: float | None = None, kv_split_size: int = DEFAULT_KV_SPLIT_SIZE,
+                    softcap: float | None = None, kv_split_size: int | None = None,
                     return_lse: bool = False, implementation: str | None = None):
   """Attention of new tokens against a paged KV cache (forward only).
 
@@ -81,10 +81,11 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
     scale: logit scale, ``1/sqrt(head_dim)`` by default.
     softcap: ``softcap * tanh(logit / softcap)``, as in ``attention``.
     kv_split_size: keys per split of the GPU kernel, a multiple of
-      ``page_size``; results are batch invariant for one value of it (the
-      split count follows each sequence's own length). Smaller splits give
-      more parallelism to short batches; each split of a prefill chunk adds
-      one partial output of the chunk's size.
+      ``page_size``; ``None``: ``DEFAULT_KV_SPLIT_SIZE`` rounded down to
+      one. Results are batch invariant for one value of it (the split count
+      follows each sequence's own length). Smaller splits give more
+      parallelism to short batches; each split of a prefill chunk adds one
+      partial output of the chunk's size. The CPU kernel does not split.
     return_lse: also return the natural-log log-sum-exp, float32
       ``[batch, heads_q, max_new_tokens]``.
     implementation: ``None`` runs the Hopper kernel where it applies and
@@ -121,7 +122,7 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
                                  **mask)
   elif reason is None:
     out, lse = _paged_kernel(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
-                             **mask, split_keys=kv_split_size)
+                             **mask, split_keys=shapes["split_keys"])
   elif implementation == "flash":
     raise NotImplementedError(f"implementation='flash': {reason}")
   else:
@@ -351,12 +352,15 @@ def _check_paged(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
   if page_size % _PAGE_ALIGN or not _PAGE_ALIGN <= page_size <= _MAX_PAGE_SIZE:
     raise ValueError(f"page_size must be a multiple of {_PAGE_ALIGN} from {_PAGE_ALIGN} to "
                      f"{_MAX_PAGE_SIZE}, got {page_size}")
+  if kv_split_size is None:
+    kv_split_size = DEFAULT_KV_SPLIT_SIZE // page_size * page_size
   if (isinstance(kv_split_size, bool) or not isinstance(kv_split_size, (int, np.integer))
       or kv_split_size <= 0 or kv_split_size % page_size):
     raise ValueError(f"kv_split_size must be a positive multiple of page_size {page_size}, got "
                      f"{kv_split_size!r}")
   _check_table(page_table, cache_lengths, query_lengths, batch, max_new, num_pages, page_size)
-  return {"head_dim": head_dim, "head_dim_v": jnp.shape(v_pages)[3]}
+  return {"head_dim": head_dim, "head_dim_v": jnp.shape(v_pages)[3],
+          "split_keys": int(kv_split_size)}
 
 
 def _check_table(page_table, cache_lengths, query_lengths, batch, max_new, num_pages, page_size):

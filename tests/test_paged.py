@@ -53,9 +53,11 @@ def make_batch(seed, cache_lengths, query_lengths, *, page_size, heads_q=8, head
 
 
 def dense_reference(inputs, keys, values, *, causal=True, window=None, scale=None, softcap=None,
-                    dtype=np.float64):
+                    dtype=np.float64, emulated=False):
   """(out, lse) sequence by sequence over contiguous keys, computed in
-  `dtype` (np.float64: the reference; the input dtype: the naive kernel)."""
+  `dtype` (np.float64: the reference; the input dtype: the naive kernel, in
+  XLA, or with `emulated` in numpy: float32 products rounded to `dtype`,
+  which is what XLA does on a CPU, without a compilation per shape)."""
   q = inputs["q"]
   batch, max_new, heads_q, head_dim = q.shape
   group = heads_q // keys[0].shape[1]
@@ -66,7 +68,11 @@ def dense_reference(inputs, keys, values, *, causal=True, window=None, scale=Non
   out = np.zeros((batch, max_new, heads_q, values[0].shape[-1]))
   lse = np.full((batch, heads_q, max_new), -np.inf)
   if dtype == np.float64:
-    cast, einsum = (lambda x: np.asarray(x, np.float64)), np.einsum
+    cast, einsum = (lambda x: np.asarray(x, np.float64)), _blas_einsum
+  elif emulated:
+    cast = lambda x: np.asarray(x, np.float32).astype(dtype)
+    einsum = lambda spec, a, b: _blas_einsum(spec, a.astype(np.float32), b.astype(
+        np.float32)).astype(dtype).astype(np.float64)
   else:
     cast = lambda x: jnp.asarray(x, dtype)
     einsum = lambda *args: np.asarray(jnp.einsum(*args).astype(jnp.float32), np.float64)
@@ -97,11 +103,26 @@ def dense_reference(inputs, keys, values, *, causal=True, window=None, scale=Non
   return out, lse
 
 
+def _blas_einsum(spec, a, b):
+  """dense_reference's two products through matmul: np.einsum runs a
+  contraction with a batch index (h) without BLAS, seconds at 4k keys."""
+  if spec == "thd,shd->hts":
+    return np.swapaxes(a, 0, 1) @ np.transpose(b, (1, 2, 0))
+  assert spec == "hts,shd->thd", spec
+  return np.swapaxes(a @ np.swapaxes(b, 0, 1), 0, 1)
+
+
 def run_paged(inputs, implementation, **kwargs):
-  call = jax.jit(functools.partial(paged.paged_attention, return_lse=True,
-                                   implementation=implementation, **kwargs))
-  out, lse = call(**inputs)
+  out, lse = _jitted_paged(implementation, tuple(sorted(kwargs.items())))(**inputs)
   return np.asarray(out.astype(jnp.float32), np.float64), np.asarray(lse, np.float64)
+
+
+@functools.cache
+def _jitted_paged(implementation, options):
+  """One jitted call per setting, so that a test's calls on the same shapes
+  compile once (conftest.py clears JAX's caches after each test, not this)."""
+  return jax.jit(functools.partial(paged.paged_attention, return_lse=True,
+                                   implementation=implementation, **dict(options)))
 
 
 # Awkward lengths, ragged new tokens (decode, speculative, prefill chunks,
@@ -111,18 +132,6 @@ BATCHES = [
     ([17, 300, 5, 129], [3, 17, 5, 0]),
     ([4097, 70], [200, 1]),
 ]
-
-
-@pytest.mark.parametrize("kwargs", [{}, {"causal": False}, {"window": (33, 0), "softcap": 5.0}])
-def test_reference_matches_float64(kwargs):
-  for (lengths, new), page_size in zip(BATCHES, (16, 64, 32)):
-    inputs, keys, values = make_batch(0, lengths, new, page_size=page_size)
-    out, lse = run_paged(inputs, "xla", **kwargs)
-    ref_out, ref_lse = dense_reference(inputs, keys, values, **kwargs)
-    np.testing.assert_allclose(out, ref_out, atol=2e-5, rtol=1e-4)
-    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(ref_lse))
-    np.testing.assert_allclose(lse[np.isfinite(lse)], ref_lse[np.isfinite(ref_lse)],
-                               atol=2e-5, rtol=1e-5)
 
 
 def test_merge_splits_ignores_empty_splits_bitwise():
@@ -199,8 +208,250 @@ def test_errors():
   with pytest.raises(ValueError, match="must share one dtype"):
     call(q=inputs["q"].astype(jnp.bfloat16))
   if jax.default_backend() == "cpu":
-    with pytest.raises(NotImplementedError, match="no paged kernel for platform 'cpu'"):
-      call(implementation="flash")
+    wide = make_batch(5, [20], [1], page_size=16, head_dim=640)[0]
+    with pytest.raises(NotImplementedError, match="implementation='flash': the cpu kernels "
+                                                  "support head_dim <= 512, got 640"):
+      jax_flash.paged_attention(**wide, implementation="flash")
+
+
+def assert_matches_float64(got, inputs, keys, values, dtype, label, **kwargs):
+  """The tolerance principle (tests/numerics.py) for out and lse."""
+  ref = dense_reference(inputs, keys, values, **kwargs)
+  naive = dense_reference(inputs, keys, values, dtype=dtype, emulated=True, **kwargs)
+  longest = max(len(k) for k in keys)
+  for name, g, r, n in zip(("out", "lse"), got, ref, naive):
+    numerics.assert_within_tolerance(f"{name} {label} {kwargs}", g, r, n, dtype,
+                                     reduction=max(longest, 1))
+
+
+def pool_slot(inputs, b, position):
+  """(page, row) of token `position` of sequence b."""
+  page_size = inputs["k_pages"].shape[1]
+  return int(inputs["page_table"][b, position // page_size]), position % page_size
+
+
+def finite_or_zero(x):
+  return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+
+# Batches, page sizes and masks of the shared checks; causal is bottom-right
+# per sequence.
+PAGED_BATCHES = [([1, 17, 1000, 4097], [1, 1, 1, 1]), ([17, 300, 5, 129], [3, 17, 5, 0]),
+                 ([4097, 70], [40, 1]), ([33, 250], [33, 7])]
+PAGE_SIZES = (16, 64, 256, 48)
+MASKS = [{}, {"causal": False}, {"window": (33, 0), "softcap": 5.0},
+         {"causal": False, "window": (40, 7), "scale": 0.3}]
+
+
+class PagedChecks:
+  """What every backend of paged_attention satisfies on the CPU:
+  TestPagedCpuKernel runs them on the C++ kernel (implementation="flash"),
+  TestPagedXla on the composition over gathered pages."""
+
+  implementation: str
+  dtypes = (jnp.float32, jnp.bfloat16)
+
+  @pytest.fixture(autouse=True)
+  def _on_cpu(self):
+    # The kernel is chosen from the default backend inside jit (paged.py).
+    if jax.default_backend() != "cpu":
+      pytest.skip(f"CPU checks; this process's default backend is {jax.default_backend()}")
+
+  def run(self, inputs, **kwargs):
+    return run_paged(inputs, self.implementation, **kwargs)
+
+  def test_matches_float64(self, dtype):
+    # Awkward lengths, ragged new tokens (decode, speculative, prefill
+    # chunks, an empty slot), pages of 16 to 256 and one of 48 (key tiles
+    # straddle its pages), shuffled in the pool; a mask each (every mask
+    # on every batch: test_every_mask, slow).
+    for (lengths, new), page_size, kwargs in zip(PAGED_BATCHES, PAGE_SIZES, MASKS):
+      inputs, keys, values = make_batch(page_size, lengths, new, page_size=page_size,
+                                        dtype=dtype)
+      assert_matches_float64(self.run(inputs, **kwargs), inputs, keys, values, dtype,
+                             f"{lengths} {new} page {page_size}", **kwargs)
+
+  @pytest.mark.slow
+  @pytest.mark.parametrize("any_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+  def test_every_mask(self, any_dtype):
+    for (lengths, new), page_size in zip(PAGED_BATCHES, PAGE_SIZES):
+      inputs, keys, values = make_batch(page_size, lengths, new, page_size=page_size,
+                                        dtype=any_dtype)
+      for kwargs in MASKS:
+        assert_matches_float64(self.run(inputs, **kwargs), inputs, keys, values, any_dtype,
+                               f"{lengths} {new} page {page_size}", **kwargs)
+
+  @pytest.mark.parametrize("heads", [(8, 8), (8, 1), (6, 2)])
+  def test_grouped_heads(self, heads):
+    # GQA ratios 1, 8 and 3, and a head dim off the vector width.
+    inputs, keys, values = make_batch(7, [1000, 33, 17], [1, 4, 17], page_size=16,
+                                      heads_q=heads[0], heads_kv=heads[1], head_dim=40)
+    assert_matches_float64(self.run(inputs), inputs, keys, values, jnp.float32, f"heads {heads}")
+
+  def test_batch_invariant(self):
+    """A sequence's rows, bitwise: alone, and in another slot of a larger
+    batch beside other lengths with its pages elsewhere in a larger pool
+    (the same table width and new-token count: the XLA composition's
+    reductions run over them)."""
+    lengths, new, page = 1000, 3, 16
+    batch = make_batch(9, [70, 4000, lengths, 1], [1, 2, new, 1], page_size=page,
+                       spare_pages=40)[0]
+    alone = make_batch(8, [lengths], [new], page_size=page,
+                       max_pages=batch["page_table"].shape[1])[0]
+    mixed = place_sequence(batch, 2, alone)
+    got_alone, got_mixed = self.run(alone), self.run(mixed)
+    np.testing.assert_array_equal(got_mixed[0][2], got_alone[0][0])
+    np.testing.assert_array_equal(got_mixed[1][2], got_alone[1][0])
+
+  def test_unseen_positions_never_reach_results(self):
+    """Unused slots, spare pages and padding rows (NaN and Inf in
+    make_batch) and keys outside every row's window: the results are the
+    bits of a run with zeros there."""
+    inputs, _, _ = make_batch(12, [1000, 300, 5], [3, 1, 0], page_size=64)
+    k_pages, v_pages = np.array(inputs["k_pages"]), np.array(inputs["v_pages"])
+    for position in range(900, 1000 - 3 - 20):  # before the window of the first new token
+      page, row = pool_slot(inputs, 0, position)
+      k_pages[page, row], v_pages[page, row] = np.nan, -np.inf
+    poisoned = dict(inputs, k_pages=jnp.asarray(k_pages), v_pages=jnp.asarray(v_pages))
+    clean = {**inputs, **{name: finite_or_zero(inputs[name]) for name in ("q", "k_pages",
+                                                                         "v_pages")}}
+    for kwargs in ({"window": (20, 0)}, {"window": (20, 0), "softcap": 3.0}):
+      got, want = self.run(poisoned, **kwargs), self.run(clean, **kwargs)
+      np.testing.assert_array_equal(got[0], want[0])
+      np.testing.assert_array_equal(got[1], want[1])
+      assert np.isfinite(got[0]).all()
+
+  def test_visible_nan_and_inf_propagate(self):
+    """One entry poisoned: the rows that see it turn non-finite (their lse
+    NaN for a logit), as in a float32 softmax; every other result keeps its
+    bits. Sequence 0's six new tokens sit at positions 144-149; the key at
+    146 is visible to tokens 2-5 only (causal)."""
+    inputs, _, _ = make_batch(21, [150, 90], [6, 1], page_size=16)
+    kwargs = dict(window=(40, 0))
+    clean_out, clean_lse = self.run(inputs, **kwargs)
+    clean_lse = np.swapaxes(clean_lse, 1, 2)  # [batch, new token, query head]
+    page, row = pool_slot(inputs, 0, 146)
+    huge = jnp.finfo(jnp.float32).max / 4  # a finite query whose logits overflow float32
+    cases = {
+        "q": (dict(q=inputs["q"].at[0, 3, 1, 5].set(jnp.nan)), (0, 3, 1)),
+        "overflow": (dict(q=inputs["q"].at[0, 3, 1].set(huge)), (0, 3, 1)),
+        # kv head 0 serves query heads 0-3
+        "k": (dict(k_pages=inputs["k_pages"].at[page, row, 0, 5].set(jnp.nan)),
+              (0, slice(2, None), slice(0, 4))),
+        "v-inf": (dict(v_pages=inputs["v_pages"].at[page, row, 0, 5].set(jnp.inf)),
+                  (0, slice(2, None), slice(0, 4))),
+    }
+    for where, (change, rows) in cases.items():
+      reached = np.zeros(clean_out.shape[:3], bool)
+      reached[rows] = True
+      out, lse = self.run(dict(inputs, **change), **kwargs)
+      lse = np.swapaxes(lse, 1, 2)
+      if where == "v-inf":
+        assert not np.isfinite(out[reached][:, 5]).any()
+        np.testing.assert_array_equal(np.delete(out[reached], 5, axis=-1),
+                                      np.delete(clean_out[reached], 5, axis=-1))
+        np.testing.assert_array_equal(lse, clean_lse)
+      else:
+        assert np.isnan(out[reached]).all() and np.isnan(lse[reached]).all(), where
+      np.testing.assert_array_equal(out[~reached], clean_out[~reached], err_msg=where)
+      np.testing.assert_array_equal(lse[~reached], clean_lse[~reached], err_msg=where)
+
+  def test_rows_without_keys(self):
+    """An empty slot, an empty cache and, inside jit where lengths are not
+    checked, a cache shorter than its new tokens (the first rows sit before
+    the cache and see nothing): zeros and lse -inf."""
+    inputs, keys, values = make_batch(13, [0, 50, 2], [0, 3, 2], page_size=16)
+    inputs["query_lengths"] = jnp.asarray([0, 3, 4], jnp.int32)
+    inputs["q"] = jax.random.normal(jax.random.key(13), (3, 4, 8, 64))
+    out, lse = self.run(inputs)
+    assert np.all(out[0] == 0) and np.all(lse[0] == -np.inf)
+    assert np.all(out[2, :2] == 0) and np.all(lse[2, :, :2] == -np.inf)
+    assert np.isfinite(out[1, :3]).all() and np.isfinite(out[2, 2:]).all()
+    np.testing.assert_array_equal(out[1, 3:], 0)
+
+  def test_bad_page_ids_and_lengths_inside_jit(self):
+    """Unchecked inside jit: a page id outside the pool reads zeros, and a
+    cache length past the table clips to it."""
+    inputs, keys, values = make_batch(14, [100, 40, 112], [2, 1, 2], page_size=16)
+    table = np.asarray(inputs["page_table"]).copy()
+    table[0, 2], table[1, 1] = 10_000, -7  # tokens 32-47 of sequence 0, 16-31 of 1
+    keys, values = [x.copy() for x in keys], [x.copy() for x in values]
+    for b, first in ((0, 32), (1, 16)):
+      keys[b][first:first + 16] = values[b][first:first + 16] = 0
+    inputs["page_table"] = jnp.asarray(table)
+    got = self.run(dict(inputs, cache_lengths=jnp.asarray([100, 40, 2**31 - 1], jnp.int32)))
+    assert_matches_float64(got, inputs, keys, values, jnp.float32, "bad ids")
+
+
+def place_sequence(batch, slot, single):
+  """`batch` with sequence `slot` holding `single`'s only sequence: its
+  query rows and the contents of its pages, in `batch`'s pages of that slot
+  (which must hold as many tokens)."""
+  page_size = batch["k_pages"].shape[1]
+  assert int(batch["cache_lengths"][slot]) == int(single["cache_lengths"][0])
+  assert int(batch["query_lengths"][slot]) == int(single["query_lengths"][0])
+  k_pages, v_pages = np.array(batch["k_pages"]), np.array(batch["v_pages"])
+  for i in range(-(-int(single["cache_lengths"][0]) // page_size)):
+    target, source = int(batch["page_table"][slot, i]), int(single["page_table"][0, i])
+    k_pages[target] = np.asarray(single["k_pages"])[source]
+    v_pages[target] = np.asarray(single["v_pages"])[source]
+  new = single["q"].shape[1]
+  q = batch["q"].at[slot, :new].set(single["q"][0])
+  return dict(batch, q=q, k_pages=jnp.asarray(k_pages), v_pages=jnp.asarray(v_pages))
+
+
+class TestPagedCpuKernel(PagedChecks):
+  implementation = "flash"
+
+  def test_serves_the_default_call(self):
+    inputs, _, _ = make_batch(15, [40], [1], page_size=16)
+    hlo = jax.jit(jax_flash.paged_attention).lower(**inputs).as_text()
+    assert paged._CPU_PAGED_TARGET in hlo
+
+  def test_batch_invariant_any_table_and_chunking(self):
+    """Beyond the shared check: bitwise the same with a wider page table
+    and more query rows in the batch, and a token's row the same as a
+    decode step as it is inside a prefill chunk."""
+    lengths, page = 1000, 16
+    chunk = make_batch(16, [lengths], [37], page_size=page, heads_q=8, heads_kv=2)[0]
+    out, lse = self.run(chunk)
+    wide = make_batch(17, [lengths, 3000, 45], [37, 1, 40], page_size=page, spare_pages=9)[0]
+    wide_out, wide_lse = self.run(place_sequence(wide, 0, chunk))
+    np.testing.assert_array_equal(wide_out[0, :37], out[0])
+    np.testing.assert_array_equal(wide_lse[0, :, :37], lse[0])
+    for t in (0, 17, 36):  # token t as the last of a shorter chunk, then as a decode step
+      for new in (t + 1, 1):
+        step = dict(chunk, q=chunk["q"][:, t + 1 - new:t + 1],
+                    cache_lengths=jnp.asarray([lengths - 36 + t], jnp.int32),
+                    query_lengths=jnp.asarray([new], jnp.int32))
+        step_out, step_lse = self.run(step)
+        np.testing.assert_array_equal(step_out[0, -1], out[0, t])
+        np.testing.assert_array_equal(step_lse[0, :, -1], lse[0, :, t])
+
+  @pytest.mark.slow
+  @pytest.mark.parametrize("any_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+  def test_sweep(self, any_dtype):
+    """Head dims across the three tile shapes, page sizes, GQA ratios and
+    masks."""
+    rng = np.random.default_rng(0)
+    for head_dim in (16, 64, 72, 128, 200, 256, 320):
+      for page_size in (16, 48, 64, 128, 256):
+        heads = [(4, 4), (8, 2), (8, 1)][rng.integers(3)]
+        lengths = [int(x) for x in rng.integers(1, 3000, 3)]
+        new = [int(rng.integers(0, min(n, 70) + 1)) for n in lengths]
+        inputs, keys, values = make_batch(head_dim + page_size, lengths, new,
+                                          page_size=page_size, heads_q=heads[0],
+                                          heads_kv=heads[1], head_dim=head_dim,
+                                          dtype=any_dtype)
+        for kwargs in MASKS:
+          assert_matches_float64(self.run(inputs, **kwargs), inputs, keys, values, any_dtype,
+                                 f"hd {head_dim} page {page_size} {lengths} {new} {heads}",
+                                 **kwargs)
+
+
+class TestPagedXla(PagedChecks):
+  implementation = "xla"
+  dtypes = (jnp.float32,)  # it computes in float32 from any (test_every_mask: all, slow)
 
 
 @pytest.mark.gpu
