@@ -88,7 +88,7 @@ class ServeConfig:
 CPU_SERVE = dict(slots=4, lanes=1, chunk=16, page_size=16, max_len=160, bucket=32)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared by identity
 class Request:
   """One request, and what the engine records about it."""
 
@@ -277,20 +277,20 @@ class Engine:
 
   def warm_up(self) -> None:
     """Compiles every step variant before anything is timed."""
-    previous, batch = self._empty_inputs()
     for span in self.spans():
-      self._step(span, previous, batch)
+      self._step(span, self._no_tokens(), self._empty_inputs())
 
-  def _empty_inputs(self):
+  def _no_tokens(self):
+    return jax.device_put(np.zeros(self.serve.slots, np.int32), self.replicated)
+
+  def _empty_inputs(self) -> dict:
     serve, slots, lanes = self.serve, self.serve.slots, self.serve.lanes
-    batch = {"decode_lengths": np.zeros(slots, np.int32), "decode_new": np.zeros(slots, np.int32),
+    return {"decode_lengths": np.zeros(slots, np.int32), "decode_new": np.zeros(slots, np.int32),
              "lane_tokens": np.zeros((lanes, serve.chunk), np.int32),
              "lane_slot": np.full(lanes, slots, np.int32), "lane_lengths": np.zeros(lanes, np.int32),
              "lane_new": np.zeros(lanes, np.int32), "lane_final": np.zeros(lanes, bool),
              "page_table": np.zeros((slots, serve.max_pages), np.int32),
              "temperature": np.zeros(slots, np.float32), "seed": np.zeros(slots, np.uint32)}
-    previous = jax.device_put(np.zeros(slots, np.int32), self.replicated)
-    return previous, batch
 
   def check(self, request: Request) -> None:
     total = len(request.prompt) + request.max_tokens
@@ -299,15 +299,18 @@ class Engine:
                        f"max_len={self.serve.max_len}, got {len(request.prompt)} + "
                        f"{request.max_tokens}")
 
-  def run(self, requests, *, slot_order=None, page_seed: int = 0, progress: bool = False) -> dict:
+  def run(self, requests, *, slot_order=None, page_seed: int = 0, chunk_limit: int | None = None,
+          progress: bool = False) -> dict:
     """Serves ``requests`` (filled in place) until all finish; returns timings.
 
     A request joins at the first step at or after its ``arrival_step`` that
     finds a free slot (tried in ``slot_order``) and, for the paged cache,
     free pages for its prompt and output (taken from a pool shuffled by
-    ``page_seed``); the lanes prefill requests in the order they joined. The
-    host never waits for a token to schedule a step: requests stop at
-    ``max_tokens``, and each step's tokens are read while the next one runs."""
+    ``page_seed``); the lanes prefill requests in the order they joined,
+    ``chunk_limit`` tokens per step at most (the step's ``chunk`` by
+    default). The host never waits for a token to schedule a step: requests
+    stop at ``max_tokens``, and each step's tokens are read while the next
+    one runs."""
     serve = self.serve
     for request in requests:
       self.check(request)
@@ -315,8 +318,9 @@ class Engine:
         queue=collections.deque(sorted(requests, key=lambda r: r.arrival_step)),
         order=list(range(serve.slots)) if slot_order is None else list(slot_order),
         free_pages=[int(p) for p in np.random.default_rng(page_seed).permutation(serve.num_pages)],
-        table=np.zeros((serve.slots, serve.max_pages), np.int32), active=[None] * serve.slots)
-    previous, _ = self._empty_inputs()
+        table=np.zeros((serve.slots, serve.max_pages), np.int32), active=[None] * serve.slots,
+        chunk=min(chunk_limit or serve.chunk, serve.chunk))
+    previous = self._no_tokens()
     bar = tqdm.tqdm(total=sum(r.max_tokens for r in requests), disable=not progress,
                     desc=self.attention, unit="tok")
     pending, step, steps_run, start = None, 0, 0, time.perf_counter()
@@ -361,7 +365,7 @@ class Engine:
   def _inputs(self, state):
     """The step's host inputs: a decode row for each generating request, the
     lanes for the requests that joined first among those still prefilling."""
-    _, batch = self._empty_inputs()
+    batch = self._empty_inputs()
     batch["page_table"] = state.table.copy()
     longest = 0
     for slot, request in enumerate(state.active):
@@ -371,9 +375,9 @@ class Engine:
       if not request.prefilling:
         batch["decode_new"][slot], batch["decode_lengths"][slot] = 1, request.cached + 1
         longest = max(longest, request.cached + 1)
-    lanes = state.prefilling[:self.serve.lanes]
-    for lane, request in enumerate(lanes):
-      new = min(self.serve.chunk, len(request.prompt) - request.cached)
+    lanes = [(r, min(state.chunk, len(r.prompt) - r.cached))
+             for r in state.prefilling[:self.serve.lanes]]
+    for lane, (request, new) in enumerate(lanes):
       batch["lane_tokens"][lane, :new] = request.prompt[request.cached:request.cached + new]
       batch["lane_slot"][lane], batch["lane_new"][lane] = request.slot, new
       batch["lane_lengths"][lane] = request.cached + new
@@ -389,8 +393,8 @@ class Engine:
                if request is not None and not request.prefilling]
     for request, _ in sampled:
       request.cached += 1
-    for lane, request in enumerate(lanes):
-      request.cached += min(self.serve.chunk, len(request.prompt) - request.cached)
+    for lane, (request, new) in enumerate(lanes):
+      request.cached += new
       if not request.prefilling:
         state.prefilling.remove(request)
         sampled.append((request, self.serve.slots + lane))
@@ -419,6 +423,7 @@ class _RunState:
   free_pages: list
   table: np.ndarray  # [slots, max_pages] page ids
   active: list  # the request in each slot, or None
+  chunk: int  # prompt tokens per lane and step
   prefilling: list = dataclasses.field(default_factory=list)  # in the order they joined
 
 
@@ -493,13 +498,15 @@ def batch_mixes(serve: ServeConfig, prompt_range, output_range, mixes: int, seed
   """The other requests of each mix and how the engine meets them: how many
   (none to twice the slots), their prompts, lengths, sampling and arrival
   steps, the probe's arrival step and place in the queue, the order slots
-  are tried in and the page pool's shuffle."""
+  are tried in, the page pool's shuffle and the prefill chunk (so that the
+  probe's prompt is cut at other tokens)."""
   rng = np.random.default_rng(seed)
   for mix in range(mixes):
     others = make_requests(int(rng.integers(0, 2 * serve.slots + 1)), prompt_range,
                            output_range, seed=seed * 7919 + mix, arrival_steps=6)
     yield (others, int(rng.integers(0, len(others) + 1)), int(rng.integers(0, 7)),
-           rng.permutation(serve.slots), int(rng.integers(1 << 31)))
+           {"slot_order": rng.permutation(serve.slots), "page_seed": int(rng.integers(1 << 31)),
+            "chunk_limit": int(rng.integers(1, serve.chunk + 1))})
 
 
 def invariance(engine, prompt, probe_tokens, temperature, mixes, prompt_range, output_range,
@@ -507,13 +514,12 @@ def invariance(engine, prompt, probe_tokens, temperature, mixes, prompt_range, o
   """One prompt completed in ``mixes`` batch mixes: how many distinct
   completions, and distinct sequences of logit fingerprints, it got."""
   completions, logits = collections.Counter(), collections.Counter()
-  for others, place, arrival, slot_order, page_seed in tqdm.tqdm(
+  for others, place, arrival, how in tqdm.tqdm(
       batch_mixes(engine.serve, prompt_range, output_range, mixes, seed), total=mixes,
       disable=not progress, desc=f"{engine.attention} mixes"):
     probe = Request(prompt=prompt, max_tokens=probe_tokens, temperature=temperature, seed=7,
                     arrival_step=arrival)
-    engine.run(others[:place] + [probe] + others[place:], slot_order=slot_order,
-               page_seed=page_seed)
+    engine.run(others[:place] + [probe] + others[place:], **how)
     completions[tuple(probe.tokens)] += 1
     logits[tuple(probe.fingerprints)] += 1
   common = completions.most_common(1)[0][0]
@@ -665,8 +671,8 @@ def main(argv=None) -> dict:
       print_summary(attention, result)
       print(f"  request 0: ...{sm.decode(requests[0].prompt[-24:])!r} -> "
             f"{sm.decode(requests[0].tokens[:48])!r}")
-      result["completions"] = [sm.decode(r.tokens) for r in requests]
       result["row"] = bench_row(attention, model, serve, stream, result, mesh)
+      result["completions"] = [sm.decode(r.tokens) for r in requests]
     report[attention] = result
     del engine  # frees its cache before the next one is made
   if args.mode == "bench" and len(report) == 2:

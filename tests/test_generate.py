@@ -4,6 +4,7 @@ the whole sequence, by the tolerance principle), the jax.nn baseline agrees
 where numerics allow, one prompt gets one completion whatever the batch, and
 the same program runs tensor parallel over 8 CPU devices."""
 
+import dataclasses
 import importlib.util
 import json
 import pathlib
@@ -127,6 +128,19 @@ def test_baseline_agrees_where_numerics_allow(engines, params):
       assert top2[1] - top2[0] < tolerance, (flash.tokens, baseline.tokens)
 
 
+def test_cache_is_donated_and_written_in_place():
+  # float32: XLA:CPU makes a float32 copy of a bfloat16 scatter's operand.
+  model = dataclasses.replace(MODEL, dtype="float32")
+  serve = dataclasses.replace(SERVE, pool_tokens=16384)
+  params = sm.init_params(model, seed=0)
+  engine = generate.Engine(params, model, serve, one_device_mesh(), "jax_flash")
+  engine.warm_up()
+  cache_bytes = sum(k.nbytes + v.nbytes for k, v in engine.cache)
+  memory = engine._compiled[None].memory_analysis()
+  assert memory.alias_size_in_bytes >= cache_bytes
+  assert memory.temp_size_in_bytes < cache_bytes // 10  # a large pool, a small step
+
+
 def test_request_that_cannot_fit_is_refused(engines):
   with pytest.raises(ValueError, match="prompt \\+ max_tokens <= max_len=64, got 60 \\+ 5"):
     engines["jax_flash"].run([generate.Request(prompt=np.ones(60, np.int32), max_tokens=5)])
@@ -172,24 +186,41 @@ def test_tensor_parallel_over_8_devices(params, engines):
   assert result["distinct_completions"] == result["distinct_logits"] == 1, result
 
 
-def test_bench_mode_writes_serve_rows(tmp_path, capsys):
+TINY_CLI = ["--cpu-sizes", "--layers", "1", "--width", "32", "--mlp", "64", "--requests", "6",
+            "--prompt-max", "24", "--output-max", "8", "--bucket", "0", "--train-steps", "0",
+            "--tp", "1", "--no-progress"]
+
+
+def test_bench_mode_writes_a_serve_row(tmp_path, capsys):
   from jax_flash import benchmark
   results = tmp_path / "cpu-serve.json"
-  report = generate.main(["--cpu-sizes", "--mode", "bench", "--layers", "1", "--width", "32",
-                          "--mlp", "64", "--requests", "6", "--prompt-max", "24",
-                          "--output-max", "8", "--bucket", "0", "--train-steps", "0", "--tp", "1",
-                          "--results", str(results), "--no-progress"])
+  report = generate.main(["--mode", "bench", "--attention", "jax_flash", "--results",
+                          str(results), *TINY_CLI])
   printed = capsys.readouterr().out
-  assert "jax_flash: 6 requests, " in printed and "jax_nn: 6 requests, " in printed
-  assert "inter-token latency" in printed and "jax_flash / jax.nn output tokens/s" in printed
-  rows = benchmark.read_rows(results)
-  assert [(r["impl"], r["op"], r["variant"]) for r in rows] == [
-      ("jax_flash", "serve", "paged"), ("xla", "serve", "contiguous-bucket0")]
-  assert all(set(benchmark.ROW_FIELDS) <= set(row) for row in rows)
-  assert rows[0]["output_tokens_per_s"] == report["jax_flash"]["output_tokens_per_s"] > 0
+  assert "jax_flash: 6 requests, " in printed and "inter-token latency" in printed
+  (row,) = benchmark.read_rows(results)
+  assert (row["impl"], row["op"], row["variant"], row["batch"]) == (
+      "jax_flash", "serve", "paged", generate.CPU_SERVE["slots"])
+  assert set(benchmark.ROW_FIELDS) <= set(row)
+  assert row["output_tokens_per_s"] == report["jax_flash"]["output_tokens_per_s"] > 0
   header = json.loads(results.read_text())["run"]
+  assert set(benchmark.RUN_FIELDS) <= set(header)
   assert header["model"]["parameters"] == sm.ModelConfig(
       **sm.CPU_MODEL | {"layers": 1, "width": 32, "mlp": 64}).parameter_count()
+
+
+@pytest.mark.slow
+def test_both_attentions_and_the_speedup(tmp_path, capsys):
+  from jax_flash import benchmark
+  results = tmp_path / "cpu-serve.json"
+  generate.main(["--mode", "bench", "--results", str(results), *TINY_CLI])
+  printed = capsys.readouterr().out
+  assert "jax_nn: 6 requests, " in printed and "jax_flash / jax.nn output tokens/s" in printed
+  rows = benchmark.read_rows(results)
+  assert [(r["impl"], r["variant"]) for r in rows] == [("jax_flash", "paged"),
+                                                      ("xla", "contiguous-bucket0")]
+  assert rows[0]["vs_baseline"] == pytest.approx(
+      rows[0]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"], rel=1e-2)
 
 
 @pytest.mark.slow
