@@ -23,7 +23,7 @@ Modes:
 
     python examples/generate.py --cpu-sizes                  # both attentions, a summary each
     python examples/generate.py --mode invariance --mixes 100  # one prompt in 100 batch mixes
-    python examples/generate.py --mode bench --results benchmarks/results/h100-DATE-serve.json
+    python examples/generate.py --results benchmarks/results/h100-DATE-serve.json  # op "serve" rows
 
 The GPU default model (8 layers, width 2048, 16 query / 4 kv heads of 128,
 MLP 5632: 0.38 B parameters, 0.76 GB in bfloat16) is sized so that attention
@@ -114,24 +114,6 @@ class Request:
 # ----------------------------------------------------------------------------- the step
 
 
-def sample(logits, temperature, seeds, positions):
-  """Per row: argmax at temperature 0, else a draw with the row's own key,
-  ``fold_in(key(seed), position)``: a row's token never depends on the others."""
-  def draw(logits, temperature, seed, position):
-    key = jax.random.fold_in(jax.random.key(seed), position)
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
-    drawn = jnp.argmax(scaled + jax.random.gumbel(key, logits.shape, jnp.float32))
-    return jnp.where(temperature > 0, drawn, jnp.argmax(logits)).astype(jnp.int32)
-  return jax.vmap(draw)(logits, temperature, seeds, positions)
-
-
-def fingerprint(logits):
-  """A uint32 of each row's float32 bits (integer sums: exact in any order)."""
-  bits = jax.lax.bitcast_convert_type(logits, jnp.uint32)
-  weights = jnp.arange(logits.shape[-1], dtype=jnp.uint32) * jnp.uint32(2654435761) | 1
-  return jnp.sum(bits * weights, axis=-1, dtype=jnp.uint32)
-
-
 def split_rows(x, batch):
   """Flat rows -> (decode rows [slots, 1, ...], prefill rows [lanes, chunk, ...])."""
   slots = batch["decode_new"].shape[0]
@@ -179,11 +161,12 @@ def attend_contiguous(layer, q, k, v, cache, batch, span):
   row = jnp.arange(chunk)
   lane_at = jnp.where(row < batch["lane_new"][:, None], start[:, None] + row, max_len)
   lanes = lane_slots(batch)
-  for new_decode, new_lanes, index in ((kd, kl, 0), (vd, vl, 1)):
-    pool = (k_cache, v_cache)[index]
-    pool = pool.at[jnp.arange(slots), decode_at].set(new_decode[:, 0], mode="drop")
-    pool = pool.at[lanes[:, None], lane_at].set(new_lanes, mode="drop")
-    k_cache, v_cache = (pool, v_cache) if index == 0 else (k_cache, pool)
+
+  def write(cache, new_decode, new_lanes):  # rows at max_len are dropped
+    cache = cache.at[jnp.arange(slots), decode_at].set(new_decode[:, 0], mode="drop")
+    return cache.at[lanes[:, None], lane_at].set(new_lanes, mode="drop")
+
+  k_cache, v_cache = write(k_cache, kd, kl), write(v_cache, vd, vl)
   keys, values = k_cache[:, :span], v_cache[:, :span]
   out_decode = jax.nn.dot_product_attention(qd, keys, values,
                                             key_value_seq_lengths=batch["decode_lengths"])
@@ -212,11 +195,11 @@ def step_fn(model: sm.ModelConfig, attend, span, params, cache, previous, batch)
   last_rows = slots + jnp.arange(lanes) * chunk + jnp.maximum(batch["lane_new"] - 1, 0)
   logits = sm.logits_of(params, hidden[jnp.concatenate([jnp.arange(slots), last_rows])])
   owner = jnp.concatenate([jnp.arange(slots), lane_slots(batch)])
-  sampled = sample(logits, batch["temperature"][owner], batch["seed"][owner],
+  sampled = sm.sample(logits, batch["temperature"][owner], batch["seed"][owner],
                    jnp.concatenate([batch["decode_lengths"], batch["lane_lengths"]]))
   finishing = jnp.where(batch["lane_final"], batch["lane_slot"], slots)
   slot_tokens = sampled[:slots].at[finishing].set(sampled[slots:], mode="drop")
-  return slot_tokens, fingerprint(logits), cache
+  return slot_tokens, sm.fingerprint(logits), cache
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -286,18 +269,22 @@ class Engine:
   def _empty_inputs(self) -> dict:
     serve, slots, lanes = self.serve, self.serve.slots, self.serve.lanes
     return {"decode_lengths": np.zeros(slots, np.int32), "decode_new": np.zeros(slots, np.int32),
-             "lane_tokens": np.zeros((lanes, serve.chunk), np.int32),
-             "lane_slot": np.full(lanes, slots, np.int32), "lane_lengths": np.zeros(lanes, np.int32),
-             "lane_new": np.zeros(lanes, np.int32), "lane_final": np.zeros(lanes, bool),
-             "page_table": np.zeros((slots, serve.max_pages), np.int32),
-             "temperature": np.zeros(slots, np.float32), "seed": np.zeros(slots, np.uint32)}
+            "lane_tokens": np.zeros((lanes, serve.chunk), np.int32),
+            "lane_slot": np.full(lanes, slots, np.int32), "lane_lengths": np.zeros(lanes, np.int32),
+            "lane_new": np.zeros(lanes, np.int32), "lane_final": np.zeros(lanes, bool),
+            "page_table": np.zeros((slots, serve.max_pages), np.int32),
+            "temperature": np.zeros(slots, np.float32), "seed": np.zeros(slots, np.uint32)}
 
   def check(self, request: Request) -> None:
+    serve = self.serve
     total = len(request.prompt) + request.max_tokens
-    if len(request.prompt) == 0 or request.max_tokens < 1 or total > self.serve.max_len:
+    if len(request.prompt) == 0 or request.max_tokens < 1 or total > serve.max_len:
       raise ValueError(f"a request needs a prompt, max_tokens >= 1 and prompt + max_tokens <= "
-                       f"max_len={self.serve.max_len}, got {len(request.prompt)} + "
+                       f"max_len={serve.max_len}, got {len(request.prompt)} + "
                        f"{request.max_tokens}")
+    if -(-total // serve.page_size) > serve.num_pages:
+      raise ValueError(f"prompt + max_tokens = {total} tokens need more pages than the pool's "
+                       f"{serve.num_pages} of {serve.page_size}")
 
   def run(self, requests, *, slot_order=None, page_seed: int = 0, chunk_limit: int | None = None,
           progress: bool = False) -> dict:
@@ -536,18 +523,33 @@ CPU_STREAM = dict(requests=16, prompt_min=8, prompt_max=96, output_min=4, output
                   probe_tokens=32)
 MODEL_FLAGS = ("layers", "width", "heads", "kv_heads", "head_dim", "mlp")
 SERVE_FLAGS = ("slots", "lanes", "chunk", "page_size", "max_len", "pool_tokens", "bucket")
+HELP = {"layers": "decoder layers", "width": "model width", "heads": "query heads",
+        "kv_heads": "key / value heads", "head_dim": "head dim", "mlp": "MLP hidden units",
+        "slots": "requests generating at once (decode rows per step)",
+        "lanes": "requests prefilled at once", "chunk": "prompt tokens per lane and step",
+        "page_size": "tokens per page", "max_len": "tokens per request at most (default: the "
+        "longest prompt and output)", "pool_tokens": "page pool tokens (default: slots * max_len)",
+        "bucket": "the baseline's span rounding (0: the whole cache)",
+        "requests": "requests in the stream", "prompt_min": "shortest prompt",
+        "prompt_max": "longest prompt", "output_min": "fewest output tokens",
+        "output_max": "most output tokens", "probe_tokens": "the probe's output tokens "
+        "(invariance mode)"}
+DERIVED = ("max_len", "pool_tokens")
 
 
 def parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--mode", choices=("serve", "invariance", "bench"), default="serve",
-                      help="serve a stream and print a summary; complete one prompt in many "
-                           "batch mixes; or serve and write op 'serve' rows to --results")
+  parser.add_argument("--mode", choices=("serve", "invariance"), default="serve",
+                      help="serve a stream and print a summary, or complete one prompt in many "
+                           "batch mixes")
   parser.add_argument("--attention", choices=ATTENTIONS + ("both",), default="both")
   parser.add_argument("--cpu-sizes", action="store_true",
                       help="a small model and stream for a CPU (flags given win)")
   for name in MODEL_FLAGS + SERVE_FLAGS + tuple(GPU_STREAM):
-    parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
+    default = {**dataclasses.asdict(sm.ModelConfig()), **dataclasses.asdict(ServeConfig()),
+               **GPU_STREAM}[name]
+    parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                        help=HELP[name] + ("" if name in DERIVED else f" (GPU default {default})"))
   parser.add_argument("--probe-temperature", type=float, default=0.0,
                       help="the probe's sampling temperature (0: greedy; else seeded)")
   parser.add_argument("--mixes", type=int, default=100, help="batch mixes (invariance mode)")
@@ -559,8 +561,8 @@ def parse_args(argv):
   parser.add_argument("--train-steps", type=int, default=200)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--results", type=pathlib.Path, default=None,
-                      help="bench mode: the results file to write")
-  parser.add_argument("--note", default="", help="bench mode: the results header's note")
+                      help="serve mode: write op 'serve' rows to this results file")
+  parser.add_argument("--note", default="", help="the results header's note")
   parser.add_argument("--no-progress", action="store_true")
   return parser.parse_args(argv)
 
@@ -675,12 +677,12 @@ def main(argv=None) -> dict:
       result["completions"] = [sm.decode(r.tokens) for r in requests]
     report[attention] = result
     del engine  # frees its cache before the next one is made
-  if args.mode == "bench" and len(report) == 2:
+  if args.mode == "serve" and len(report) == 2:
     speedup = (report["jax_flash"]["output_tokens_per_s"]
                / report["jax_nn"]["output_tokens_per_s"])
     report["jax_flash"]["row"]["vs_baseline"] = round(speedup, 3)
     print(f"jax_flash / jax.nn output tokens/s: {speedup:.2f}x")
-  if args.mode == "bench" and args.results is not None:
+  if args.mode == "serve" and args.results is not None:
     write_results(args.results, [r["row"] for r in report.values()], model, serve, argv,
                   args.note)
   return report

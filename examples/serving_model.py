@@ -11,6 +11,9 @@ of the MLP's hidden units; the attention output and MLP projections end in a
 sum over devices (``reduce``). ``param_specs`` says which axis of each weight
 is split over the mesh axis ``TP``.
 
+Sampling (``sample``) draws each row with its request's own key, so a
+request's tokens do not depend on its row either.
+
 The weights are trained briefly here, on text generated here (``corpus``):
 no download.
 """
@@ -140,6 +143,24 @@ def forward(params, tokens, positions, config: ModelConfig, attend, caches, redu
 def logits_of(params, hidden):
   """The head in float32 (sampling and the fingerprints read these bits)."""
   return jnp.dot(hidden, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def sample(logits, temperature, seeds, positions):
+  """Per row: argmax at temperature 0, else a draw with the row's own key,
+  ``fold_in(key(seed), position)``: a row's token never depends on the others."""
+  def draw(logits, temperature, seed, position):
+    key = jax.random.fold_in(jax.random.key(seed), position)
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
+    drawn = jnp.argmax(scaled + jax.random.gumbel(key, logits.shape, jnp.float32))
+    return jnp.where(temperature > 0, drawn, jnp.argmax(logits)).astype(jnp.int32)
+  return jax.vmap(draw)(logits, temperature, seeds, positions)
+
+
+def fingerprint(logits):
+  """A uint32 of each row's float32 bits (integer sums: exact in any order)."""
+  bits = jax.lax.bitcast_convert_type(logits, jnp.uint32)
+  weights = jnp.arange(logits.shape[-1], dtype=jnp.uint32) * jnp.uint32(2654435761) | 1
+  return jnp.sum(bits * weights, axis=-1, dtype=jnp.uint32)
 
 
 def sequence_logits(params, tokens, config: ModelConfig, attention=None):

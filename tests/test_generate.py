@@ -165,7 +165,7 @@ def test_a_batch_dependent_sampler_is_caught(params, monkeypatch):
     drawn = jax.random.categorical(jax.random.key(0), scaled)
     return drawn.astype(jnp.int32)
 
-  monkeypatch.setattr(generate, "sample", shared_key)
+  monkeypatch.setattr(sm, "sample", shared_key)
   engine = generate.Engine(params, MODEL, SERVE, one_device_mesh(), "jax_flash")
   result = invariance(engine, mixes=5, temperature=1.0)
   assert result["distinct_completions"] > 1, result
@@ -191,10 +191,10 @@ TINY_CLI = ["--cpu-sizes", "--layers", "1", "--width", "32", "--mlp", "64", "--r
             "--tp", "1", "--no-progress"]
 
 
-def test_bench_mode_writes_a_serve_row(tmp_path, capsys):
+def test_serve_mode_writes_a_results_row(tmp_path, capsys):
   from jax_flash import benchmark
   results = tmp_path / "cpu-serve.json"
-  report = generate.main(["--mode", "bench", "--attention", "jax_flash", "--results",
+  report = generate.main(["--attention", "jax_flash", "--results",
                           str(results), *TINY_CLI])
   printed = capsys.readouterr().out
   assert "jax_flash: 6 requests, " in printed and "inter-token latency" in printed
@@ -213,7 +213,7 @@ def test_bench_mode_writes_a_serve_row(tmp_path, capsys):
 def test_both_attentions_and_the_speedup(tmp_path, capsys):
   from jax_flash import benchmark
   results = tmp_path / "cpu-serve.json"
-  generate.main(["--mode", "bench", "--results", str(results), *TINY_CLI])
+  generate.main(["--results", str(results), *TINY_CLI])
   printed = capsys.readouterr().out
   assert "jax_nn: 6 requests, " in printed and "jax_flash / jax.nn output tokens/s" in printed
   rows = benchmark.read_rows(results)
