@@ -13,7 +13,9 @@ number of splits chosen from the grid, and the splits' partial results merge
 in a fixed order (``merge_splits``) in which a split without visible keys
 changes nothing. A sequence's output is then the same, bit for bit, whatever
 else is in the batch, wherever its pages sit in the pool, and whether its
-queries come one per step or many per chunk.
+queries come one per step or many per chunk. The CPU kernel
+(``cuda_src/cpu/paged_cpu.cc``) is batch invariant without splitting: one
+task runs each sequence's keys whole, in tiles at fixed key offsets.
 """
 
 import jax
@@ -88,14 +90,18 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
       partial output of the chunk's size. The CPU kernel does not split.
     return_lse: also return the natural-log log-sum-exp, float32
       ``[batch, heads_q, max_new_tokens]``.
-    implementation: ``None`` runs the Hopper kernel where it applies and
-      the XLA composition elsewhere (CPU, other GPUs); ``"flash"`` raises
+    implementation: ``None`` runs jax_flash's kernel where one applies
+      (Hopper GPUs; CPUs, any dtype and head dim up to 512) and the XLA
+      composition elsewhere (other GPUs); ``"flash"`` raises
       ``NotImplementedError`` instead of falling back; ``"xla"`` is the
       composition over gathered pages.
 
   Page ids and lengths are checked when they are concrete; inside ``jit``
-  a page id outside the pool reads zeros and lengths clip to the table.
-  No gradient is defined.
+  a page id outside the pool reads zeros (nothing outside the pool is
+  read) and lengths clip to the table. A NaN or Inf in a position a query
+  row sees reaches that row's output (and, in q or k, its lse NaN), as in a
+  float32 softmax; nothing a row does not see reaches it. No gradient is
+  defined.
 
   Returns:
     ``out [batch, max_new_tokens, heads_q, head_dim_v]``, or ``(out, lse)``.
@@ -118,8 +124,8 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
   reason = _kernel_unavailable_reason(platform, q, shapes) if implementation != "xla" else "xla"
   mask = dict(scale=scale, softcap=softcap, window_left=window_left, window_right=window_right)
   if reason is None and platform == "cpu":
-    out, lse = _paged_kernel_cpu(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
-                                 **mask)
+    out, lse = _on_cpu_host(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
+                            implementation=implementation, **mask)
   elif reason is None:
     out, lse = _paged_kernel(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
                              **mask, split_keys=shapes["split_keys"])
@@ -292,14 +298,38 @@ def _paged_kernel(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
   return jnp.where(padding, jnp.zeros((), out.dtype), out), lse
 
 
+def _on_cpu_host(*args, implementation, **mask):
+  """The CPU kernel where the call is lowered for the CPU. A module exported
+  on this host for another platform (``jax.export``) holds the XLA
+  composition there (``implementation=None``), or fails to lower
+  (``"flash"``): which GPU kernel serves is decided on a GPU host."""
+
+  def cpu(*a):
+    return ffi.match_varying(tuple(_paged_kernel_cpu(*a, **mask)), a)
+
+  def elsewhere(*a):
+    if implementation is None:
+      return ffi.match_varying(tuple(paged_attention_reference(*a, **mask)), a)
+    reason = ("implementation='flash': a paged call traced on a CPU host has a kernel for the "
+              "CPU only; trace it where it runs, or use implementation=None")
+    zeros = (jnp.zeros(t.shape, t.dtype) for t in _output_types(*a))
+    return ffi.match_varying(tuple(ffi._unsupported_p.bind(*zeros, reason=reason)), a)
+
+  return jax.lax.platform_dependent(*args, cpu=cpu, default=elsewhere)
+
+
+def _output_types(q, k_pages, v_pages, *_):
+  batch, max_new, heads_q, _ = q.shape
+  return (jax.ShapeDtypeStruct((batch, max_new, heads_q, v_pages.shape[-1]), q.dtype),
+          jax.ShapeDtypeStruct((batch, heads_q, max_new), jnp.float32))
+
+
 def _paged_kernel_cpu(q, k_pages, v_pages, page_table, cache_lengths, query_lengths, *, scale,
                       softcap, window_left, window_right):
   """The CPU kernel (cuda_src/cpu/paged_cpu.cc): each sequence whole, one
   task per (sequence, kv head, block of query rows), so no splits to merge."""
-  batch, max_new, heads_q, _ = q.shape
   max_pages = page_table.shape[1]
-  out_type = jax.ShapeDtypeStruct((batch, max_new, heads_q, v_pages.shape[-1]), q.dtype)
-  lse_type = jax.ShapeDtypeStruct((batch, heads_q, max_new), jnp.float32)
+  out_type, lse_type = _output_types(q, k_pages, v_pages)
   if max_pages == 0:  # no cache: every row sees nothing
     return jnp.zeros(out_type.shape, q.dtype), jnp.full(lse_type.shape, -jnp.inf, jnp.float32)
   kernel = jax.ffi.ffi_call(_CPU_PAGED_TARGET, (out_type, lse_type))

@@ -35,7 +35,7 @@ def make_batch(seed, cache_lengths, query_lengths, *, page_size, heads_q=8, head
     used += pages_of[b]
     k = rng.standard_normal((n, heads_kv, head_dim)).astype(np.float32)
     v = rng.standard_normal((n, heads_kv, head_dim)).astype(np.float32)
-    k, v = (np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) for x in (k, v))
+    k, v = (x.astype(dtype).astype(np.float32) for x in (k, v))  # numpy: no compilations
     token = np.arange(n)
     k_pool[table[b, token // page_size], token % page_size] = k
     v_pool[table[b, token // page_size], token % page_size] = v
@@ -58,7 +58,8 @@ def dense_reference(inputs, keys, values, *, causal=True, window=None, scale=Non
   `dtype` (np.float64: the reference; the input dtype: the naive kernel, in
   XLA, or with `emulated` in numpy: float32 products rounded to `dtype`,
   which is what XLA does on a CPU, without a compilation per shape)."""
-  q = inputs["q"]
+  q = np.asarray(inputs["q"]).astype(np.float32)  # numpy from here: no compilations
+  query_lengths = np.asarray(inputs["query_lengths"])
   batch, max_new, heads_q, head_dim = q.shape
   group = heads_q // keys[0].shape[1]
   scale = 1 / np.sqrt(head_dim) if scale is None else scale
@@ -77,10 +78,10 @@ def dense_reference(inputs, keys, values, *, causal=True, window=None, scale=Non
     cast = lambda x: jnp.asarray(x, dtype)
     einsum = lambda *args: np.asarray(jnp.einsum(*args).astype(jnp.float32), np.float64)
   for b, n in enumerate(np.asarray(inputs["cache_lengths"])):
-    new = int(inputs["query_lengths"][b])
+    new = int(query_lengths[b])
     if new == 0 or n == 0:
       continue
-    qb = cast(np.asarray(jnp.asarray(q[b, :new], jnp.float32)))
+    qb = cast(q[b, :new])
     kb, vb = (cast(np.repeat(x, group, axis=1)) for x in (keys[b], values[b]))
     logits = einsum("thd,shd->hts", qb, kb) * scale
     if softcap:
@@ -407,6 +408,26 @@ class TestPagedCpuKernel(PagedChecks):
     inputs, _, _ = make_batch(15, [40], [1], page_size=16)
     hlo = jax.jit(jax_flash.paged_attention).lower(**inputs).as_text()
     assert paged._CPU_PAGED_TARGET in hlo
+
+  def test_export_holds_the_kernel_of_each_platform(self):
+    """The kernel is chosen per lowering platform: exported on this host
+    for CUDA, the module holds the XLA composition (or, with "flash",
+    fails to lower) rather than the CPU kernel."""
+    from jax import export
+    inputs, _, _ = make_batch(18, [40, 7], [1, 2], page_size=16)
+    allow = [export.DisabledSafetyCheck.custom_call(paged._CPU_PAGED_TARGET)]
+
+    def exported(platforms, implementation=None):
+      attend = jax.jit(functools.partial(paged.paged_attention, implementation=implementation))
+      return export.export(attend, platforms=platforms, disabled_checks=allow)(
+          **inputs).mlir_module()
+
+    assert paged._CPU_PAGED_TARGET in exported(["cpu"])
+    assert paged._CPU_PAGED_TARGET in exported(["cpu", "cuda"])
+    assert "custom_call" not in exported(["cuda"])
+    with pytest.raises(NotImplementedError, match="traced on a CPU host has a kernel for the "
+                                                  "CPU only"):
+      exported(["cpu", "cuda"], "flash")
 
   def test_batch_invariant_any_table_and_chunking(self):
     """Beyond the shared check: bitwise the same with a wider page table
