@@ -63,32 +63,32 @@ def dense_attention(q, k, v):
   return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
 
 
-def reference_logits(params, requests):
+def reference_logits(params, requests, model=MODEL, serve=SERVE):
   """Per request, (float32 logits, the naive bfloat16 model's logits) of
   its served sequence, each row the prediction of the next token, computed
   without a cache (all requests in one padded batch: causal rows never see
   the padding after them)."""
   sequences = [np.concatenate([r.prompt, np.int32(r.tokens[:-1])]) for r in requests]
-  tokens = np.zeros((len(requests), SERVE.max_len), np.int32)
+  tokens = np.zeros((len(requests), serve.max_len), np.int32)
   for row, sequence in zip(tokens, sequences):
     row[:len(sequence)] = sequence
   exact = jax.tree.map(lambda w: w.astype(jnp.float32), params)
   with jax.default_matmul_precision("highest"):
-    ref = jax.jit(sm.sequence_logits, static_argnums=(2, 3))(exact, tokens, MODEL,
+    ref = jax.jit(sm.sequence_logits, static_argnums=(2, 3))(exact, tokens, model,
                                                               dense_attention)
-  naive = jax.jit(sm.sequence_logits, static_argnums=(2, 3))(params, tokens, MODEL,
+  naive = jax.jit(sm.sequence_logits, static_argnums=(2, 3))(params, tokens, model,
                                                              dense_attention)
   return [(np.asarray(ref[i, len(r.prompt) - 1:len(s)], np.float64),
            np.asarray(naive[i, len(r.prompt) - 1:len(s)], np.float64))
           for i, (r, s) in enumerate(zip(requests, sequences))]
 
 
-def check_greedy_tokens(params, requests):
+def check_greedy_tokens(params, requests, model=MODEL, serve=SERVE):
   """Each greedy token is the float32 model's argmax, or within twice the
   naive bfloat16 model's logit error of it (a near tie that rounding may
   decide either way). Returns each request's (reference logits, tolerance)."""
   checked = []
-  for request, (ref, naive) in zip(requests, reference_logits(params, requests)):
+  for request, (ref, naive) in zip(requests, reference_logits(params, requests, model, serve)):
     tolerance = 2 * np.max(np.abs(naive - ref)) + 1e-3
     if request.temperature == 0:
       chosen = ref[np.arange(len(request.tokens)), request.tokens]
@@ -231,3 +231,22 @@ def test_one_completion_in_100_batch_mixes(engines):
     baseline = invariance(engines["jax_nn"], mixes=100, temperature=temperature)
     print(f"temperature {temperature}: jax_flash 1 completion in 100 mixes; jax.nn baseline "
           f"{baseline['distinct_completions']} ({baseline['distinct_logits']} logit sequences)")
+
+
+@pytest.mark.gpu
+def test_hopper_kernel_serves_and_is_batch_invariant():
+  """On a GPU the paged calls run the Hopper kernel (head dim 64): greedy
+  tokens by the tolerance principle, one completion in 20 batch mixes."""
+  model = sm.ModelConfig(layers=2, width=256, heads=8, kv_heads=2, head_dim=64, mlp=512)
+  serve = generate.ServeConfig(slots=4, lanes=1, chunk=32, page_size=16, max_len=176)
+  params = jax.tree.map(lambda w: w.astype(jnp.bfloat16), sm.init_params(model, seed=4))
+  engine = generate.Engine(params, model, serve, one_device_mesh(), "jax_flash")
+  requests = requests_of([(n * 3, m * 2) for n, m in LENGTHS])
+  engine.run(requests)
+  assert generate.jax_flash.paged._PAGED_TARGET in engine._compiled[None].as_text()
+  assert [len(r.tokens) for r in requests] == [m * 2 for _, m in LENGTHS]
+  check_greedy_tokens(params, requests, model, serve)
+  for temperature in (0.0, 1.0):
+    result = generate.invariance(engine, generate.probe_prompt(60), 24, temperature, 20,
+                                 prompt_range=(1, 90), output_range=(1, 32), seed=6)
+    assert result["distinct_completions"] == result["distinct_logits"] == 1, result
