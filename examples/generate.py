@@ -26,9 +26,9 @@ Modes:
     python examples/generate.py --results benchmarks/results/h100-DATE-serve.json  # op "serve" rows
 
 The GPU default model (8 layers, width 2048, 16 query / 4 kv heads of 128,
-MLP 5632: 0.38 B parameters, 0.76 GB in bfloat16) is sized so that attention
+MLP 5632: 0.36 B parameters, 0.72 GB in bfloat16) is sized so that attention
 matters: a token's keys and values take 16 KB, so 64 requests of 4k tokens
-hold 4.3 GB of cache, which a decode step reads against 0.76 GB of weights.
+hold 4.3 GB of cache, which a decode step reads against 0.72 GB of weights.
 ``--cpu-sizes`` serves a 2-layer model (8 kv heads, head dim 16) a CPU
 trains and serves in seconds. Weights are trained briefly at start
 (``--train-steps``) on generated text, or loaded from ``--weights`` (written
@@ -40,7 +40,6 @@ import collections
 import dataclasses
 import datetime
 import functools
-import json
 import math
 import pathlib
 import subprocess
@@ -55,7 +54,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import serving_model as sm  # noqa: E402  (the folder above on the path first)
+import serving_model as sm  # noqa: E402  (this file's folder on the path first)
 
 import jax_flash  # noqa: E402
 
