@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flash import _gpu_support, configs, ffi, reference, segments, validation, vjp
+from jax_flash.sinks import add_sinks
 
 
 def _platform_of(*arrays) -> str:
@@ -142,7 +143,7 @@ def _whole_lengths(batch: int, seq: int) -> np.ndarray:
 
 def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None = None,
               query_seq_lengths=None, key_value_seq_lengths=None, segment_ids=None,
-              softcap: float | None = None, deterministic: bool = False,
+              softcap: float | None = None, sinks=None, deterministic: bool = False,
               batch_invariant: bool = False, return_lse: bool = False,
               implementation: str | None = None):
   """FlashAttention: ``softmax(scale * q k^T + mask) v`` without the score matrix.
@@ -175,6 +176,12 @@ def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None
       skip best.
     softcap: cap the logits smoothly, ``softcap * tanh(logit / softcap)``
       with ``logit = scale * q.k`` (Gemma 2, Grok); ``None`` for no cap.
+    sinks: attention sinks (gpt-oss): float32 ``[heads_q]``, one learnable
+      logit per query head joining every row's softmax without a value,
+      ``softmax([logits, sink])``; differentiable, ``None`` for none. A row
+      that sees no key then outputs zeros with ``lse == sink``; a sink of
+      ``-inf`` is no sink. Folded in after the kernels, which costs one
+      elementwise pass over the output (docs/numerics.md).
     deterministic: make the backward bitwise reproducible from run to run.
       The GPU backward then adds each query tile's dQ contributions in a
       fixed order (docs/history.md: its measured cost); the CPU kernels always are.
@@ -189,7 +196,8 @@ def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None
       1-4% at batch 64 (docs/history.md). XLA gives no such guarantee, so
       calls no kernel serves raise ``NotImplementedError``.
     return_lse: also return the log-sum-exp of the scaled, masked logits,
-      float32 ``[batch, heads_q, seq_q]`` (``-inf`` for rows that see no key).
+      float32 ``[batch, heads_q, seq_q]``, the sink included (``-inf`` for
+      rows that see no key; with ``sinks``, their sink).
     implementation: ``None`` (default) runs the kernels of the platform the
       computation is lowered for (CPU or CUDA GPU; ``jax.export`` for other
       platforms than the exporting host's gets theirs) and falls back to
@@ -214,6 +222,7 @@ def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None
   scale = validation.check_scale(scale, shapes.head_dim)
   window_left, window_right = validation.check_window(window, "window")
   return_lse = validation.check_flag(return_lse, "return_lse")
+  sinks = validation.check_sinks(sinks, shapes.heads_q)
   if validation.check_flag(causal, "causal"):
     window_right = 0 if window_right < 0 else min(window_right, 0)
   out, lse = _attention(
@@ -227,12 +236,14 @@ def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None
       deterministic=validation.check_flag(deterministic, "deterministic"),
       batch_invariant=validation.check_flag(batch_invariant, "batch_invariant"),
       implementation=implementation)
+  if sinks is not None:
+    out, lse = add_sinks(out, lse, sinks)
   return (out, lse) if return_lse else out
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal: bool = False,
                      window=None, scale: float | None = None, softcap: float | None = None,
-                     deterministic: bool = False, return_lse: bool = False,
+                     sinks=None, deterministic: bool = False, return_lse: bool = False,
                      implementation: str | None = None):
   """Attention over a ragged batch packed into one sequence (FlashAttention's
   varlen interface).
@@ -252,7 +263,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal: bool =
   ``jit`` offsets that break these rules are not detected and give
   meaningless results, so check them in the data pipeline.
 
-  ``softcap`` and ``deterministic`` are those of ``attention``. Returns
+  ``softcap``, ``sinks`` and ``deterministic`` are those of ``attention``
+  (padding tokens past the last offset see no key: with sinks their lse is
+  the sink). Returns
   ``out [total_q, heads_q, head_dim_v]`` (and ``lse [heads_q, total_q]``),
   differentiable like ``attention``.
   """
@@ -275,7 +288,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal: bool =
                                 "and k to coincide; pass cu_seqlens_k=None")
   ids = segments.varlen_segment_ids(cu_seqlens_q, total_q, cu_seqlens_k, total_k)
   result = attention(q[None], k[None], v[None], causal=causal, window=window, scale=scale,
-                     segment_ids=(ids[0][None], ids[1][None]), softcap=softcap,
+                     segment_ids=(ids[0][None], ids[1][None]), softcap=softcap, sinks=sinks,
                      deterministic=deterministic, return_lse=return_lse,
                      implementation=implementation)
   if return_lse:

@@ -84,7 +84,8 @@ def _nonfinite_seen(visible, x, batch_dims: str):
 
 def attention_reference(q, k, v, *, scale: float, diag_offset: int = 0, window_left: int = -1,
                         window_right: int = -1, q_lens=None, kv_lens=None, q_segment_ids=None,
-                        kv_segment_ids=None, softcap: float = 0.0, compute_dtype=None):
+                        kv_segment_ids=None, softcap: float = 0.0, sinks=None,
+                        compute_dtype=None):
   """Masked softmax attention; returns (out [B,T,N,Hv], lse [B,N,T] float32).
 
   ``compute_dtype=None`` multiplies in the input dtype with float32
@@ -92,9 +93,12 @@ def attention_reference(q, k, v, *, scale: float, diag_offset: int = 0, window_l
   ``jnp.float32`` / ``jnp.float64`` upcast everything first (the reference).
   Rows that see no key give a zero output and an lse of -inf, with finite
   gradients. ``softcap > 0`` caps the logits: ``softcap * tanh(logit /
-  softcap)``. A NaN or Inf reaches the outputs of exactly the query rows
-  that see it (``_logits``; a value entry makes that column NaN), and
-  nothing a row does not see reaches it, its gradients included.
+  softcap)``. ``sinks`` ([N], one logit per query head) joins every row's
+  softmax as one more column without a value; a row that sees no key then
+  gives zeros and an lse of its sink. A NaN or Inf reaches the outputs of
+  exactly the query rows that see it (``_logits``; a value entry makes that
+  column NaN), and nothing a row does not see reaches it, its gradients
+  included.
   """
   out_dtype = q.dtype
   if compute_dtype is not None:
@@ -108,6 +112,10 @@ def attention_reference(q, k, v, *, scale: float, diag_offset: int = 0, window_l
                          window_right=window_right, q_lens=q_lens, kv_lens=kv_lens,
                          q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
   scores = jnp.where(visible[:, :, None], scores, -jnp.inf)  # broadcast over [B, K, G, T, S]
+  if sinks is not None:  # the sink column, always visible
+    sink_column = jnp.asarray(sinks, acc_dtype).reshape(1, heads_kv, group, 1, 1)
+    scores = jnp.concatenate(
+        [scores, jnp.broadcast_to(sink_column, (*scores.shape[:-1], 1))], axis=-1)
   row_max = jnp.max(scores, axis=-1, keepdims=True, initial=-jnp.inf)
   row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
   probs = jnp.exp(scores - row_max)
@@ -115,6 +123,8 @@ def attention_reference(q, k, v, *, scale: float, diag_offset: int = 0, window_l
   seen = row_sum != 0  # NaN too: a row that sees a NaN logit
   safe_sum = jnp.where(seen, row_sum, 1.0)
   probs = probs / safe_sum
+  if sinks is not None:
+    probs = probs[..., :seq_k]  # the sink has no value
   out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), _finite_or_zero(v),
                    preferred_element_type=acc_dtype)
   bad_values = _nonfinite_seen(visible[:, 0], v, "ts")[:, :, :, None]  # [B, T, K, 1, Hv]

@@ -157,6 +157,23 @@ def check_lengths(lengths, name: str, batch: int):
   return lengths
 
 
+def check_sinks(sinks, heads_q: int):
+  """None, or the attention sinks as a float32 [heads_q] array (one logit per
+  query head; jax_flash/sinks.py)."""
+  if sinks is None:
+    return None
+  if not hasattr(sinks, "dtype"):
+    raise ValueError(f"sinks must be None or a float32 array [heads_q={heads_q}], got "
+                     f"{type(sinks).__name__}")
+  if np.ndim(sinks) != 1:
+    raise ValueError(f"sinks must have rank 1 [heads_q={heads_q}], got shape {_shape(sinks)}")
+  if _shape(sinks) != (heads_q,):
+    raise ValueError(f"sinks must have shape ({heads_q},) [heads_q], got {_shape(sinks)}")
+  if jnp.result_type(sinks) != jnp.float32:
+    raise ValueError(f"sinks must have dtype float32, got {jnp.result_type(sinks)}")
+  return jnp.asarray(sinks)
+
+
 def check_implementation(implementation, allowed=IMPLEMENTATIONS) -> None:
   if implementation not in allowed:
     raise ValueError(f"implementation must be one of {allowed}, got {implementation!r}")
