@@ -56,9 +56,22 @@ def assert_sharded(x, mesh, spec):
 SPECS = {"data": P("dp"), "tensor": P(None, None, "tp"), "data_tensor": P("dp", None, "tp")}
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("layout", list(SPECS))
+def quick_first(cases, quick):
+  """``cases`` as pytest params, all but the ``quick`` ones marked slow: the
+  quick suite keeps a case or two per feature, ``-m slow`` runs the rest."""
+  params = []
+  for case in cases:
+    values = case if isinstance(case, tuple) else (case,)
+    marks = () if case in quick else pytest.mark.slow
+    params.append(pytest.param(*values, id="-".join(map(str, values)), marks=marks))
+  return params
+
+
+@pytest.mark.parametrize("layout,causal", quick_first(
+    [(layout, causal) for layout in SPECS for causal in ("full", "causal")],
+    quick=[("data_tensor", "causal"), ("tensor", "full")]))
 def test_batch_and_head_sharding(layout, causal):
+  causal = causal == "causal"
   mesh, spec = auto_mesh(), SPECS[layout]
   q, k, v, dout = numerics.random_qkv(0, 2, 45, 45, 8, 4, 32, DTYPE)
   put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))
@@ -90,9 +103,12 @@ def test_replicated_kv_follows_q_sharding():
   assert not [c for c in COLLECTIVES if c in f.lower(q_sharded, k, v).compile().as_text()]
 
 
-@pytest.mark.parametrize("implementation", [None, "cpu"], ids=["default", "cpu"])
-@pytest.mark.parametrize("context", ["set_mesh", "no_mesh_context"])
+@pytest.mark.parametrize("context,implementation", quick_first(
+    [(context, implementation) for context in ("set_mesh", "no_mesh_context")
+     for implementation in ("default", "cpu")],
+    quick=[("no_mesh_context", "default"), ("set_mesh", "cpu")]))
 def test_explicit_mesh_sharding(context, implementation):
+  implementation = None if implementation == "default" else implementation
   # jax.make_mesh's default Explicit axes carry the sharding in the types,
   # with or without a mesh context (the README's multi-device example).
   mesh = jax.make_mesh((2, 4), ("dp", "tp"))
@@ -189,7 +205,8 @@ def check_ring(layout, q, k, v, dout, causal=False, window=None, segment_ids=Non
   return got
 
 
-@pytest.mark.parametrize("case", list(RING_CASES))
+@pytest.mark.parametrize("case", quick_first(
+    list(RING_CASES), quick=["contiguous_causal_window", "zigzag_causal_mqa"]))
 def test_ring_attention(case):
   layout, causal, window, heads_kv = (RING_CASES[case][key] for key in
                                       ("layout", "causal", "window", "heads_kv"))
@@ -198,7 +215,7 @@ def test_ring_attention(case):
   check_ring(layout, q, k, v, dout, causal, window)
 
 
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("layout", quick_first(["zigzag", "contiguous"], quick=["contiguous"]))
 def test_ring_softcap_and_deterministic(layout):
   q, k, v, dout = numerics.random_qkv(6, 2, 96, 96, 4, 2, 32, DTYPE)
   first = check_ring(layout, q, k, v, dout, causal=True, softcap=1.5, deterministic=True)
@@ -226,7 +243,8 @@ SEGMENT_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(SEGMENT_CASES))
+@pytest.mark.parametrize("case", quick_first(
+    list(SEGMENT_CASES), quick=["contiguous_causal_gqa", "zigzag_full_mqa"]))
 def test_ring_attention_segment_ids(case):
   config = dict(SEGMENT_CASES[case])
   layout, heads_kv = config.pop("layout"), config.pop("heads_kv")
