@@ -15,6 +15,7 @@ import pytest
 
 import jax_flash
 import numerics
+from attention_sinks import SinksSpec
 from jax_flash import reference
 
 
@@ -95,7 +96,7 @@ def assert_unaffected_equal(clean, poisoned, visible, bad_q, bad_k):
   return reached_q
 
 
-class AttentionTestBase:
+class AttentionTestBase(SinksSpec):  # attention sinks: tests/attention_sinks.py
   implementation: str
   dtypes: tuple
   head_dims: tuple
