@@ -18,11 +18,13 @@ queries come one per step or many per chunk. The CPU kernel
 task runs each sequence's keys whole, in tiles at fixed key offsets.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _cpu_ffi, api, configs, ffi, reference, validation
+from jax_flash import _cpu_ffi, api, configs, ffi, reference, sharding, validation
 
 _PAGED_TARGET = "jax_flash_gpu_paged_fwd_v1"
 _CPU_PAGED_TARGET = "jax_flash_cpu_paged_fwd_v1"
@@ -121,20 +123,21 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
   query_lengths = jnp.asarray(query_lengths, jnp.int32)
   page_table = jnp.asarray(page_table, jnp.int32)
   platform = api._platform_of(q)
-  reason = _kernel_unavailable_reason(platform, q, shapes) if implementation != "xla" else "xla"
   mask = dict(scale=scale, softcap=softcap, window_left=window_left, window_right=window_right)
-  if reason is None and platform == "cpu":
-    out, lse = _on_cpu_host(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
-                            implementation=implementation, **mask)
-  elif reason is None:
-    out, lse = _paged_kernel(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
-                             **mask, split_keys=shapes["split_keys"])
-  elif implementation == "flash":
-    raise NotImplementedError(f"implementation='flash': {reason}")
+  if implementation == "xla":
+    attend = functools.partial(paged_attention_reference, **mask)
   else:
-    out, lse = paged_attention_reference(
-        q, k_pages, v_pages, page_table, cache_lengths, query_lengths, scale=scale,
-        softcap=softcap, window_left=window_left, window_right=window_right)
+    reasons = {"cpu": _kernel_unavailable_reason("cpu", q, shapes),
+               "cuda": (_kernel_unavailable_reason("gpu", q, shapes) if platform == "gpu" else
+                        _GPU_FROM_ELSEWHERE)}
+    local = reasons.get({"gpu": "cuda"}.get(platform, platform),
+                        f"jax_flash has no paged kernel for platform {platform!r}")
+    if local is not None and implementation == "flash":
+      raise NotImplementedError(f"implementation='flash': {local}")
+    attend = functools.partial(_per_platform, implementation=implementation, reasons=reasons,
+                               split_keys=shapes["split_keys"], **mask)
+  out, lse = sharding.on_explicit_mesh(attend, q, k_pages, v_pages, page_table, cache_lengths,
+                                       query_lengths)
   return (out, lse) if return_lse else out
 
 
@@ -277,16 +280,10 @@ def _paged_kernel(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
     rows = q.reshape(batch, heads_kv, group, q.shape[-1]).transpose(0, 2, 1, 3)
     q_lens = query_lengths * group
     window_right = -1
-  seq_rows, heads = rows.shape[1], rows.shape[2]
-  out_types = (
-      jax.ShapeDtypeStruct((batch * splits, seq_rows, heads, v_pages.shape[-1]), q.dtype),
-      jax.ShapeDtypeStruct((batch * splits, heads, seq_rows), jnp.float32),
-  )
-  kernel = jax.ffi.ffi_call(_PAGED_TARGET, out_types)
-  out, lse = kernel(rows, k_pages, v_pages, table, q_lens, cache_lengths,
-                    scale=np.float32(scale), softcap=np.float32(softcap),
-                    window_left=np.int32(window_left), window_right=np.int32(window_right),
-                    split_pages=np.int32(split_pages))
+  kernel = functools.partial(_ffi_call, _PAGED_TARGET, split_pages=split_pages, scale=scale,
+                             softcap=softcap, window_left=window_left, window_right=window_right)
+  out, lse = sharding.paged_partitioned(kernel, splits)(rows, k_pages, v_pages, table, q_lens,
+                                                        cache_lengths)
   out, lse = merge_splits(out.reshape(batch, splits, *out.shape[1:]),
                           lse.reshape(batch, splits, *lse.shape[1:]))
   if packed:
@@ -298,24 +295,51 @@ def _paged_kernel(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
   return jnp.where(padding, jnp.zeros((), out.dtype), out), lse
 
 
-def _on_cpu_host(*args, implementation, **mask):
-  """The CPU kernel where the call is lowered for the CPU. A module exported
-  on this host for another platform (``jax.export``) holds the XLA
-  composition there (``implementation=None``), or fails to lower
-  (``"flash"``): which GPU kernel serves is decided on a GPU host."""
+def _ffi_call(target, rows, k_pages, v_pages, table, q_lens, kv_lens, *, split_pages, scale,
+              softcap, window_left, window_right):
+  """One paged kernel call on (the local shards of) its operands: out
+  ``[batch * splits, T, H, Dv]`` and lse ``[batch * splits, H, T]``."""
+  batch, seq_rows, heads, _ = rows.shape
+  splits = table.shape[1] // split_pages
+  out_types = (
+      jax.ShapeDtypeStruct((batch * splits, seq_rows, heads, v_pages.shape[-1]), rows.dtype),
+      jax.ShapeDtypeStruct((batch * splits, heads, seq_rows), jnp.float32),
+  )
+  return jax.ffi.ffi_call(target, out_types)(
+      rows, k_pages, v_pages, table, q_lens, kv_lens, scale=np.float32(scale),
+      softcap=np.float32(softcap), window_left=np.int32(window_left),
+      window_right=np.int32(window_right), split_pages=np.int32(split_pages))
 
-  def cpu(*a):
-    return ffi.match_varying(tuple(_paged_kernel_cpu(*a, **mask)), a)
 
-  def elsewhere(*a):
-    if implementation is None:
-      return ffi.match_varying(tuple(paged_attention_reference(*a, **mask)), a)
-    reason = ("implementation='flash': a paged call traced on a CPU host has a kernel for the "
-              "CPU only; trace it where it runs, or use implementation=None")
-    zeros = (jnp.zeros(t.shape, t.dtype) for t in _output_types(*a))
-    return ffi.match_varying(tuple(ffi._unsupported_p.bind(*zeros, reason=reason)), a)
+# A paged call traced where no GPU runs lowers for CUDA to the XLA composition
+# (or fails with implementation="flash"): which GPU kernel can serve is known
+# only where the call is traced on that GPU.
+_GPU_FROM_ELSEWHERE = ("a paged call traced without a Hopper GPU has no GPU kernel; trace it "
+                       "on the GPU that runs it, or use implementation=None")
 
-  return jax.lax.platform_dependent(*args, cpu=cpu, default=elsewhere)
+
+def _per_platform(*args, implementation, reasons, split_keys, **mask):
+  """The kernel of the platform the call is lowered for (``jax.export`` may
+  lower one trace for several): ``reasons`` maps "cpu" and "cuda" to why
+  their kernel cannot serve it, or None. Without a kernel the XLA
+  composition runs (``implementation=None``) or lowering fails ("flash")."""
+
+  def branch(kernel, reason):
+    def run(*a):
+      if reason is None:
+        return ffi.match_varying(tuple(kernel(*a, **mask)), a)
+      if implementation is None:
+        return ffi.match_varying(tuple(paged_attention_reference(*a, **mask)), a)
+      zeros = (jnp.zeros(t.shape, t.dtype) for t in _output_types(*a))
+      return ffi.match_varying(tuple(ffi._unsupported_p.bind(
+          *zeros, reason=f"implementation={implementation!r}: {reason}")), a)
+    return run
+
+  gpu = functools.partial(_paged_kernel, split_keys=split_keys)
+  return jax.lax.platform_dependent(
+      *args, cpu=branch(_paged_kernel_cpu, reasons["cpu"]),
+      cuda=branch(gpu, reasons["cuda"]),
+      default=branch(None, "jax_flash has paged kernels for CPU and CUDA only"))
 
 
 def _output_types(q, k_pages, v_pages, *_):
@@ -332,11 +356,10 @@ def _paged_kernel_cpu(q, k_pages, v_pages, page_table, cache_lengths, query_leng
   out_type, lse_type = _output_types(q, k_pages, v_pages)
   if max_pages == 0:  # no cache: every row sees nothing
     return jnp.zeros(out_type.shape, q.dtype), jnp.full(lse_type.shape, -jnp.inf, jnp.float32)
-  kernel = jax.ffi.ffi_call(_CPU_PAGED_TARGET, (out_type, lse_type))
-  return kernel(q, k_pages, v_pages, page_table, query_lengths, cache_lengths,
-                scale=np.float32(scale), softcap=np.float32(softcap),
-                window_left=np.int32(window_left), window_right=np.int32(window_right),
-                split_pages=np.int32(max_pages))
+  kernel = functools.partial(_ffi_call, _CPU_PAGED_TARGET, split_pages=max_pages, scale=scale,
+                             softcap=softcap, window_left=window_left, window_right=window_right)
+  return sharding.paged_partitioned(kernel, 1)(q, k_pages, v_pages, page_table, query_lengths,
+                                               cache_lengths)
 
 
 def _kernel_unavailable_reason(platform, q, shapes) -> str | None:

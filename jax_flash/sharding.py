@@ -197,3 +197,77 @@ def _sharded(fn, cotangents: bool):
 
 forward = _sharded(_forward, cotangents=False)
 backward = _sharded(_backward, cotangents=True)
+
+
+# Paged attention (paged.py). Its kernel calls take (rows [B, T, H, D],
+# k_pages [P, S, Hkv, D], v_pages [P, S, Hkv, Dv], page_table [B, N],
+# q_lens [B], kv_lens [B]) and return out [B * splits, T, H, Dv] and lse
+# [B * splits, H, T] (the GPU kernel's per-split partials; one split on the
+# CPU). Heads shard together with their kv heads in the pool, sequences with
+# their table rows; the pool itself is not cut by pages, so each device reads
+# the pages of its own heads, with no communication.
+
+def _paged_specs(rows_spec, axis_sizes, heads_kv: int):
+  """(spec of each operand, spec of each result) for rows sharded as
+  ``rows_spec``, or NotImplementedError."""
+  if rows_spec[1] is not None or rows_spec[3] is not None:
+    raise NotImplementedError(
+        "paged attention: shard q over batch and/or heads only, got " f"{P(*rows_spec)}")
+  batch, heads = rows_spec[0], rows_spec[2]
+  shards = int(np.prod([axis_sizes[a] for a in axes_of(heads)]))
+  if heads_kv % shards:
+    raise NotImplementedError(
+        f"paged attention: the heads are sharded {shards} ways ({heads!r}), which splits GQA "
+        f"groups of heads_kv={heads_kv} kv heads; shard heads over a divisor of heads_kv")
+  pages = P(None, None, heads, None)
+  operands = (P(batch, None, heads, None), pages, pages, P(batch, None), P(batch), P(batch))
+  return operands, (P(batch, None, heads, None), P(batch, heads, None))
+
+
+def paged_partitioned(kernel, splits: int):
+  """``kernel(rows, k_pages, v_pages, page_table, q_lens, kv_lens)`` made to
+  run per shard under ``jit`` with Auto mesh axes (``custom_partitioning``)
+  and, as it is, inside ``shard_map``."""
+
+  @custom_partitioning
+  def run(*args):
+    return kernel(*args)
+
+  def partition(mesh, arg_shapes, result_shapes):
+    operands, results = _paged_specs(_spec(arg_shapes[0].sharding, 4), dict(mesh.shape),
+                                     arg_shapes[1].shape[2])
+    named = lambda specs: tuple(NamedSharding(mesh, s) for s in specs)
+    return mesh, kernel, named(results), named(operands)
+
+  def rule(mesh, value_types, result_types):
+    del mesh, result_types
+    rows, pages = (mlir.ir.RankedTensorType(t) for t in value_types[:2])
+    group = rows.shape[2] // pages.shape[2]
+    heads = "(k g)" if group > 1 else "k"
+    lead = "(b x)" if splits > 1 else "b"
+    spec = (f"b t {heads} d, p s k d, p s k e, b n, b, b -> {lead} t {heads} e, "
+            f"{lead} {heads} t")
+    sizes = {"g": group} if group > 1 else {}
+    return spec, {**sizes, **({"x": splits} if splits > 1 else {})}
+
+  run.def_partition(partition, sharding_rule=rule)
+  return lambda *args: match_varying(run(*args), args)
+
+
+def on_explicit_mesh(attend, q, k_pages, v_pages, page_table, cache_lengths, query_lengths):
+  """``attend(q, k_pages, v_pages, page_table, cache_lengths, query_lengths)``
+  -> (out, lse); on arrays sharded over Explicit mesh axes it runs under
+  ``shard_map`` on each device's shard (the sharding is in the arrays' types,
+  which the whole computation must then respect), elsewhere as it is."""
+  args = (q, k_pages, v_pages, page_table, query_lengths, cache_lengths)
+  mesh = jax.typeof(q).sharding.mesh
+  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+              if kind == AxisType.Explicit}
+  q_spec = _spec(jax.typeof(q).sharding, 4)
+  if not {a for entry in q_spec for a in axes_of(entry)} & explicit:
+    return attend(q, k_pages, v_pages, page_table, cache_lengths, query_lengths)
+  operands, results = _paged_specs(q_spec, dict(mesh.shape), k_pages.shape[2])
+  local = lambda q, k, v, t, m, n: match_varying(attend(q, k, v, t, n, m), (q, k, v, t, m, n))
+  sharded = jax.shard_map(local, mesh=mesh, in_specs=operands, out_specs=results)
+  return sharded(*(jax.sharding.reshard(x, NamedSharding(mesh, s))
+                   for x, s in zip(args, operands)))

@@ -425,8 +425,8 @@ class TestPagedCpuKernel(PagedChecks):
     assert paged._CPU_PAGED_TARGET in exported(["cpu"])
     assert paged._CPU_PAGED_TARGET in exported(["cpu", "cuda"])
     assert "custom_call" not in exported(["cuda"])
-    with pytest.raises(NotImplementedError, match="traced on a CPU host has a kernel for the "
-                                                  "CPU only"):
+    with pytest.raises(NotImplementedError, match="a paged call traced without a Hopper GPU "
+                                                  "has no GPU kernel"):
       exported(["cpu", "cuda"], "flash")
 
   def test_batch_invariant_any_table_and_chunking(self):
@@ -537,6 +537,14 @@ class TestPagedGpu:
     np.testing.assert_array_equal(chunked[0, -1], alone[0, 0])
     np.testing.assert_array_equal(chunked_lse[0, :, -1], alone_lse[0, :, 0])
 
+  def test_export_holds_the_kernel_of_each_platform(self):
+    from jax import export
+    inputs, _, _ = make_batch(14, [100, 7], [1, 2], page_size=16, head_dim=64,
+                              dtype=jnp.bfloat16)
+    attend = jax.jit(functools.partial(paged.paged_attention, implementation="flash"))
+    module = export.export(attend, platforms=["cpu", "cuda"])(**inputs).mlir_module()
+    assert paged._PAGED_TARGET in module and paged._CPU_PAGED_TARGET in module
+
   def test_empty_and_padded_rows(self):
     inputs, keys, values = make_batch(10, [0, 50], [0, 3], page_size=16, head_dim=64,
                                       dtype=jnp.bfloat16)
@@ -568,3 +576,65 @@ def test_tensor_parallel_over_kv_heads():
   np.testing.assert_allclose(np.asarray(out), ref_out, atol=2e-5, rtol=1e-4)
   np.testing.assert_allclose(np.asarray(lse)[np.isfinite(ref_lse)], ref_lse[np.isfinite(ref_lse)],
                              atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("axes", ["auto", "explicit"])
+def test_sharded_under_jit(axes):
+  """Heads (with their kv heads' slice of the pool) and sequences (with their
+  table rows) sharded under plain ``jit``: each device runs the kernel on its
+  shard, with no collective, bitwise the unsharded result."""
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+  if len(jax.devices()) < 8:
+    pytest.skip(f"needs 8 devices, {jax.default_backend()} has {len(jax.devices())}")
+  kind = AxisType.Auto if axes == "auto" else AxisType.Explicit
+  mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(kind, kind))
+  inputs, _, _ = make_batch(12, [300, 17, 64, 1], [1, 5, 2, 1], page_size=16, heads_q=8,
+                            heads_kv=4, head_dim=32)
+  specs = (P("dp", None, "tp"), P(None, None, "tp"), P(None, None, "tp"), P("dp"), P("dp"),
+           P("dp"))
+  placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(inputs.values(), specs)]
+  attend = jax.jit(lambda q, k, v, t, n, m: jax_flash.paged_attention(
+      q, k, v, t, n, query_lengths=m, return_lse=True))
+  out, lse = attend(*placed)
+  want_out, want_lse = attend(*inputs.values())
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+  assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("dp", None, "tp")), 4)
+  compiled = attend.lower(*placed).compile().as_text()
+  assert not [c for c in ("all-gather", "all-reduce", "all-to-all", "collective-permute")
+              if c in compiled]
+
+
+def test_partitioning_of_split_outputs():
+  """The GPU kernel's outputs hold batch x splits rows (sharding.py's rule
+  "(b x)"): a stand-in kernel with three splits partitions over batch and
+  heads like the real one, without collectives."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  from jax_flash import sharding
+  if len(jax.devices()) < 8:
+    pytest.skip(f"needs 8 devices, {jax.default_backend()} has {len(jax.devices())}")
+  splits = 3
+
+  def stand_in(rows, k_pages, v_pages, table, q_lens, kv_lens):
+    # Reads every operand; split s of sequence b holds rows[b] + s.
+    offset = (jnp.sum(k_pages) + jnp.sum(v_pages) + jnp.sum(table) + jnp.sum(q_lens + kv_lens)) * 0
+    out = (rows[:, None] + jnp.arange(splits, dtype=rows.dtype)[:, None, None, None] + offset)
+    out = out.reshape(-1, *rows.shape[1:])
+    return out, jnp.swapaxes(out[..., 0], 1, 2).astype(jnp.float32)
+
+  mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  inputs, _, _ = make_batch(13, [40, 17, 64, 1], [2, 2, 2, 2], page_size=16, heads_q=8,
+                            heads_kv=4, head_dim=32)
+  args = [inputs[name] for name in ("q", "k_pages", "v_pages", "page_table")] + [
+      inputs["query_lengths"], inputs["cache_lengths"]]
+  specs = (P("dp", None, "tp"), P(None, None, "tp"), P(None, None, "tp"), P("dp"), P("dp"),
+           P("dp"))
+  run = jax.jit(sharding.paged_partitioned(stand_in, splits))
+  placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
+  (out, lse), (want_out, want_lse) = run(*placed), stand_in(*args)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+  assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("dp", None, "tp")), 4)
+  assert "all-gather" not in run.lower(*placed).compile().as_text()
