@@ -63,6 +63,9 @@ def dense_attention(q, k, v):
   return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
 
 
+_sequence_logits = jax.jit(sm.sequence_logits, static_argnums=(2, 3))
+
+
 def reference_logits(params, requests, model=MODEL, serve=SERVE):
   """Per request, (float32 logits, the naive bfloat16 model's logits) of
   its served sequence, each row the prediction of the next token, computed
@@ -74,10 +77,8 @@ def reference_logits(params, requests, model=MODEL, serve=SERVE):
     row[:len(sequence)] = sequence
   exact = jax.tree.map(lambda w: w.astype(jnp.float32), params)
   with jax.default_matmul_precision("highest"):
-    ref = jax.jit(sm.sequence_logits, static_argnums=(2, 3))(exact, tokens, model,
-                                                              dense_attention)
-  naive = jax.jit(sm.sequence_logits, static_argnums=(2, 3))(params, tokens, model,
-                                                             dense_attention)
+    ref = _sequence_logits(exact, tokens, model, dense_attention)
+  naive = _sequence_logits(params, tokens, model, dense_attention)
   return [(np.asarray(ref[i, len(r.prompt) - 1:len(s)], np.float64),
            np.asarray(naive[i, len(r.prompt) - 1:len(s)], np.float64))
           for i, (r, s) in enumerate(zip(requests, sequences))]
@@ -130,7 +131,7 @@ def test_baseline_agrees_where_numerics_allow(engines, params):
 
 def test_cache_is_donated_and_written_in_place():
   # float32: XLA:CPU makes a float32 copy of a bfloat16 scatter's operand.
-  model = dataclasses.replace(MODEL, dtype="float32")
+  model = dataclasses.replace(MODEL, layers=1, dtype="float32")
   serve = dataclasses.replace(SERVE, pool_tokens=16384)
   params = sm.init_params(model, seed=0)
   engine = generate.Engine(params, model, serve, one_device_mesh(), "jax_flash")
