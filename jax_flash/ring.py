@@ -56,6 +56,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_flash import api, ffi, segments, sharding, validation
+from jax_flash.sinks import add_sinks
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -435,7 +436,7 @@ _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
 
 def ring_attention(q, k, v, *, axis_name, causal: bool = False, window=None,
                    scale: float | None = None, segment_ids=None, softcap: float | None = None,
-                   deterministic: bool = False, layout: str = "contiguous",
+                   sinks=None, deterministic: bool = False, layout: str = "contiguous",
                    return_lse: bool = False, implementation: str | None = None):
   """Attention over a sequence sharded along the mesh axis ``axis_name``.
 
@@ -450,7 +451,9 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, window=None,
   ``[batch, seq_local]`` array or a ``(q_segment_ids, kv_segment_ids)`` pair,
   sharded and ordered like q and k. ``softcap`` and ``deterministic`` are
   those of ``attention`` (the ring adds the blocks' dQ in a fixed order, so
-  with ``deterministic`` the whole backward repeats bitwise). ``implementation``: ``None``,
+  with ``deterministic`` the whole backward repeats bitwise). ``sinks``
+  (``attention``'s, for this device's ``heads_q`` query heads) join once,
+  after the blocks are merged. ``implementation``: ``None``,
   ``"flash"``, ``"cpu"`` or ``"gpu"``; the ring always runs the kernels.
 
   Returns this device's block of ``out``, or ``(out, lse)`` (lse ``[batch,
@@ -488,14 +491,17 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, window=None,
                scale=scale, window_left=window_left, window_right=window_right,
                softcap=validation.check_softcap(softcap),
                deterministic=validation.check_flag(deterministic, "deterministic"))
+  sinks = validation.check_sinks(sinks, shapes.heads_q)
   segment_ids = None if q_segments is None else (q_segments, kv_segments)
   out, lse = _ring_attention(q, k, v, segment_ids, ring)
+  if sinks is not None:
+    out, lse = add_sinks(out, lse, sinks)
   return (out, lse) if return_lse else out
 
 
 def ring_attention_sharded(q, k, v, *, mesh, seq_axis, batch_axis=None, head_axis=None,
                            causal: bool = False, window=None, scale: float | None = None,
-                           segment_ids=None, softcap: float | None = None,
+                           segment_ids=None, softcap: float | None = None, sinks=None,
                            deterministic: bool = False, layout: str = "contiguous",
                            return_lse: bool = False, implementation: str | None = None):
   """``ring_attention`` on global arrays: the ``shard_map`` over ``mesh``
@@ -506,13 +512,15 @@ def ring_attention_sharded(q, k, v, *, mesh, seq_axis, batch_axis=None, head_axi
   ``batch_axis`` (data parallel) and ``head_axis`` (tensor parallel, whole GQA
   groups: ``heads_kv`` must be a multiple of its size). ``segment_ids``
   (``[batch, seq]``, one array or a q / kv pair, in the same ``layout``
-  order) are sharded like the sequence of q and k. Mesh axes named nowhere
-  are replicated. Works inside or outside ``jax.jit``.
+  order) are sharded like the sequence of q and k. ``sinks`` (float32
+  ``[heads_q]``) are sharded like the heads. Mesh axes named nowhere are
+  replicated. Works inside or outside ``jax.jit``.
   """
   # Checked on the global shapes here: inside shard_map the messages would
   # name the per-device blocks.
-  q_segments, kv_segments = validation.check_segment_ids(segment_ids,
-                                                         validation.check_qkv(q, k, v))
+  shapes = validation.check_qkv(q, k, v)
+  q_segments, kv_segments = validation.check_segment_ids(segment_ids, shapes)
+  sinks = validation.check_sinks(sinks, shapes.heads_q)
   if head_axis is not None:
     shards = int(np.prod([mesh.shape[a] for a in sharding.axes_of(head_axis)]))
     heads_kv = np.shape(k)[2]
@@ -525,10 +533,15 @@ def ring_attention_sharded(q, k, v, *, mesh, seq_axis, batch_axis=None, head_axi
   if q_segments is not None:
     arrays += [q_segments, kv_segments]
     in_specs += [segment_spec, segment_spec]
+  if sinks is not None:
+    arrays.append(sinks)
+    in_specs.append(P(head_axis))
 
-  def kernel(q, k, v, *segment_pair):
+  def kernel(q, k, v, *rest):
+    segment_pair = tuple(rest[:2]) if q_segments is not None else None
     return ring_attention(q, k, v, axis_name=seq_axis, causal=causal, window=window,
-                          scale=scale, segment_ids=segment_pair or None, softcap=softcap,
+                          scale=scale, segment_ids=segment_pair, softcap=softcap,
+                          sinks=rest[-1] if sinks is not None else None,
                           deterministic=deterministic, layout=layout, return_lse=return_lse,
                           implementation=implementation)
 
