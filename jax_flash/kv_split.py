@@ -92,7 +92,7 @@ def fixed_split_forward(q, k, v, q_lens, kv_lens, call):
   kv_lens = jnp.clip(jnp.asarray(kv_lens, jnp.int32), 0, seq_k)
   out, lse = paged._paged_kernel(q, as_pages(k), as_pages(v), table, kv_lens, q_lens,
                                 scale=call.scale, softcap=call.softcap, window_left=-1,
-                                window_right=-1, split_keys=KEYS_PER_SPLIT)
+                                window_right=-1, split_keys=KEYS_PER_SPLIT, partitioned=False)
   padding = jnp.arange(seq_q)[None, None, :] >= q_lens[:, None, None]
   return out, jnp.where(padding, -jnp.inf, lse)
 

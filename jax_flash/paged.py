@@ -265,7 +265,9 @@ def _halving_sum(x):
 
 
 def _paged_kernel(q, k_pages, v_pages, page_table, cache_lengths, query_lengths, *, scale,
-                  softcap, window_left, window_right, split_keys):
+                  softcap, window_left, window_right, split_keys, partitioned=True):
+  """The Hopper kernel; ``partitioned=False`` where the caller is itself
+  partitioned per shard (kv_split.py, inside attention's kernel call)."""
   batch, max_new, heads_q, _ = q.shape
   page_size, heads_kv = k_pages.shape[1], k_pages.shape[2]
   split_pages = split_keys // page_size
@@ -282,8 +284,9 @@ def _paged_kernel(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
     window_right = -1
   kernel = functools.partial(_ffi_call, _PAGED_TARGET, split_pages=split_pages, scale=scale,
                              softcap=softcap, window_left=window_left, window_right=window_right)
-  out, lse = sharding.paged_partitioned(kernel, splits)(rows, k_pages, v_pages, table, q_lens,
-                                                        cache_lengths)
+  if partitioned:
+    kernel = sharding.paged_partitioned(kernel, splits)
+  out, lse = kernel(rows, k_pages, v_pages, table, q_lens, cache_lengths)
   out, lse = merge_splits(out.reshape(batch, splits, *out.shape[1:]),
                           lse.reshape(batch, splits, *lse.shape[1:]))
   if packed:
