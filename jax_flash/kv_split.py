@@ -32,19 +32,11 @@ import jax.numpy as jnp
 
 from jax_flash import configs, head_packing
 
-# Measured on H100 (bench_decode.py, batch 8, 32 query / 4 kv heads, hd128)
-# as GPU time per step of 16 dependent steps in one call (results run 87):
-# splitting from 1024 keys on, batch 8 at 1k / 2k keys took 0.0107 / 0.0128
-# ms against 0.0133 / 0.0215 unsplit, batch 1 0.0094 / 0.0105 against 0.0125
-# / 0.0207; 128-key chunks were no faster than 256. (Runs 9-10 timed one
-# step per call, where the merge's extra launches showed as host time, and
-# kept caches under 4096 keys whole.)
-# The chunk count aims at configs' kv_split_ctas CTAs. The same timing
-# (results run 85), batch 8 at 4k / 16k / 64k keys: 0.0317 / 0.1014 / 0.3654
-# ms aiming at one wave (132 CTAs) against 0.0339 / 0.1025 / 0.3804 at two
-# and 0.0329 / 0.1034 / 0.3905 at half a wave; batch 4 with 64 / 8 heads
-# 0.0312 / 0.0992 / 0.3639 against 0.0350 / 0.1010 / 0.3653 at two waves.
-# Each CTA streams its chunk from one prologue, so fewer, longer CTAs win
+# Grid splits (H100, bench_decode.py, batch 8, 32 / 4 heads, hd128; the
+# numbers in docs/history.md, "Decoding"): from 1024 keys a split step beat
+# the whole one (1k: 0.0107 against 0.0133 ms), 128-key chunks were no
+# faster than 256, and aiming at one wave of CTAs beat two and half a wave:
+# each CTA streams its chunk from one prologue, so fewer, longer CTAs win
 # while they fill the GPU.
 MIN_KEYS_TO_SPLIT = 1024
 MIN_CHUNK = 256
