@@ -336,6 +336,21 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         local_window_size=local_window_size, implementation="xla",
         return_residual=return_residual)
 
+  out, lse = _jax_nn_conventions(
+      query, key, value, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+      implementation=None if implementation is None else "flash")
+  if not return_residual:
+    return out
+  residual = jnp.swapaxes(lse, -1, -2).astype(out.dtype)  # [..., N, T] -> [..., T, N]
+  return out, jax.lax.stop_gradient(residual)
+
+
+def _jax_nn_conventions(query, key, value, *, scale, is_causal: bool, query_seq_lengths,
+                        key_value_seq_lengths, local_window_size, implementation, sinks=None):
+  """(out, lse) from the kernels under ``jax.nn.dot_product_attention``'s
+  conventions (``BTNH`` or ``TNH``, causal and window aligned top-left).
+  ``sinks`` are ``attention``'s; jax.nn has none, jax_flash.nn passes them."""
   squeeze = jnp.ndim(query) == 3
   if squeeze:
     query, key, value = (jnp.asarray(x)[None] for x in (query, key, value))
@@ -344,6 +359,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     raise ValueError(f"value must have the key's shape {jnp.shape(key)}, got {jnp.shape(value)}")
   scale = validation.check_scale(scale, shapes.head_dim)
   window_left, window_right = validation.check_window(local_window_size, "local_window_size")
+  sinks = validation.check_sinks(sinks, shapes.heads_q)
   if is_causal:
     window_right = 0 if window_right < 0 else min(window_right, 0)
   out, lse = _attention(
@@ -352,10 +368,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       q_lens=validation.check_lengths(query_seq_lengths, "query_seq_lengths", shapes.batch),
       kv_lens=validation.check_lengths(key_value_seq_lengths, "key_value_seq_lengths",
                                        shapes.batch),
-      implementation=None if implementation is None else "flash")
+      implementation=implementation)
+  if sinks is not None:
+    out, lse = add_sinks(out, lse, sinks)
   if squeeze:
     out, lse = out[0], lse[0]
-  if not return_residual:
-    return out
-  residual = jnp.swapaxes(lse, -1, -2).astype(out.dtype)  # [..., N, T] -> [..., T, N]
-  return out, jax.lax.stop_gradient(residual)
+  return out, lse

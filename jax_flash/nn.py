@@ -25,6 +25,17 @@ Equinox: ``MultiheadAttention`` mirrors ``equinox.nn.MultiheadAttention``
 (same constructor, fields and ``__call__``), plus the static options
 ``causal`` and ``implementation``. It needs equinox installed; the Flax
 functions need only JAX.
+
+Attention sinks (gpt-oss; ``jax_flash.attention``'s ``sinks``): the stock
+Flax layers have no parameter for them, so ``flax_attention_fn`` takes
+``sinks=`` and a parent linen module binds its own parameter::
+
+  sinks = self.param("sinks", nn.initializers.zeros, (num_heads,))
+  attention_fn = functools.partial(jax_flash.nn.flax_attention_fn, sinks=sinks)
+
+(an NNX layer fixes its ``attention_fn`` when built: call
+``flax_attention_fn(q, k, v, sinks=self.sinks.value)`` from a module of your
+own). The Equinox layer holds them itself with ``use_sinks=True``.
 """
 
 import math
@@ -80,6 +91,12 @@ def make_flax_attention_fn(*, is_causal: bool = False, local_window_size=None,
   not deterministic), sowing the attention weights, and custom einsums.
   ``precision`` is ignored (the kernels accumulate in float32), and so is
   ``force_fp32_for_softmax`` (the softmax always runs in float32).
+
+  The returned function also takes ``sinks``, float32 ``[num_heads]``
+  (``jax_flash.attention``'s; the stock layers never pass it: see the module
+  docstring). With sinks the mask must be structure: an explicit ``mask``
+  or ``bias`` raises ``NotImplementedError`` (``jax.nn``'s XLA path, the
+  fallback for them, has no sinks), as does ``implementation="cudnn"``.
   """
   always_causal = is_causal
 
@@ -87,7 +104,7 @@ def make_flax_attention_fn(*, is_causal: bool = False, local_window_size=None,
                         dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
                         precision=None, module=None, force_fp32_for_softmax=False,
                         qk_attn_weights_einsum=None, attn_weights_value_einsum=None,
-                        promote_dtype=None, is_causal=False):
+                        promote_dtype=None, is_causal=False, sinks=None):
     """Flax-compatible attention over ``[batch..., length, heads, depth]``
     inputs, computed by jax_flash. See ``jax_flash.nn.make_flax_attention_fn``."""
     del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax
@@ -106,12 +123,39 @@ def make_flax_attention_fn(*, is_causal: bool = False, local_window_size=None,
     if len(batch_shape) > 1:  # jax.nn layouts have at most one batch dim
       query, key, value = (_flatten_batch(x, batch_shape, 3) for x in (query, key, value))
       bias, mask = (_flatten_batch(x, batch_shape, 3) for x in (bias, mask))
-    out = api.dot_product_attention(
-        query, key, value, bias, mask, is_causal=always_causal or is_causal,
-        local_window_size=local_window_size, implementation=implementation)
+    if sinks is None:
+      out = api.dot_product_attention(
+          query, key, value, bias, mask, is_causal=always_causal or is_causal,
+          local_window_size=local_window_size, implementation=implementation)
+    else:
+      out = _attention_with_sinks(query, key, value, bias, mask, sinks,
+                                  is_causal=always_causal or is_causal,
+                                  local_window_size=local_window_size,
+                                  implementation=implementation)
     return out.reshape(*batch_shape, *out.shape[-3:])
 
   return flax_attention_fn
+
+
+def _attention_with_sinks(query, key, value, bias, mask, sinks, *, is_causal, local_window_size,
+                          implementation):
+  """``flax_attention_fn``'s call with sinks: jax.nn's conventions, the
+  kernels (or jax_flash's XLA path for ``implementation="xla"``)."""
+  unsupported = [name for name, x in (("a bias", bias), ("a mask", mask)) if x is not None]
+  if implementation == "cudnn":
+    unsupported.append("implementation='cudnn'")
+  if unsupported:
+    raise NotImplementedError(
+        f"attention sinks with {unsupported[0]}: jax.nn.dot_product_attention has no sinks; "
+        "pass the mask as structure (make_flax_attention_fn(is_causal=..., "
+        "local_window_size=...))")
+  out, _ = api._jax_nn_conventions(
+      query, key, value, scale=None, is_causal=is_causal, query_seq_lengths=None,
+      key_value_seq_lengths=None, local_window_size=local_window_size,
+      implementation=implementation if implementation == "xla" else (
+          None if implementation is None else "flash"),
+      sinks=sinks)
+  return out
 
 
 flax_attention_fn = make_flax_attention_fn()
@@ -121,9 +165,10 @@ flax_attention_fn.__doc__ = (
     "``make_flax_attention_fn(is_causal=True, ...)`` builds variants.")
 
 
-def _masked_attention(query, key, value, mask, causal: bool):
+def _masked_attention(query, key, value, mask, causal: bool, sinks=None):
   """Attention with an explicit boolean mask ``[heads or 1, seq_q, seq_k]`` on
-  ``[seq, heads, dim]`` inputs, in float32; rows without keys output zeros."""
+  ``[seq, heads, dim]`` inputs, in float32; rows without keys output zeros.
+  ``sinks`` ``[heads]`` join each row's softmax as a column without a value."""
   logits = jnp.einsum("tnh,snh->nts", query, key, preferred_element_type=jnp.float32)
   logits = logits / math.sqrt(query.shape[-1])
   if causal:
@@ -131,11 +176,15 @@ def _masked_attention(query, key, value, mask, causal: bool):
     rows = jnp.arange(seq_q)[:, None] + (seq_k - seq_q)
     mask = mask & (jnp.arange(seq_k)[None, :] <= rows)
   logits = jnp.where(mask, logits, -jnp.inf)
+  seq_k = logits.shape[-1]
+  if sinks is not None:
+    column = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None, None], (*logits.shape[:-1], 1))
+    logits = jnp.concatenate([logits, column], axis=-1)
   row_max = jnp.max(logits, axis=-1, keepdims=True)
   weights = jnp.exp(logits - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
   total = jnp.sum(weights, axis=-1, keepdims=True)
   weights = weights / jnp.where(total > 0, total, 1.0)
-  out = jnp.einsum("nts,snh->tnh", weights, value.astype(jnp.float32))
+  out = jnp.einsum("nts,snh->tnh", weights[..., :seq_k], value.astype(jnp.float32))
   return out.astype(value.dtype)
 
 
@@ -155,6 +204,10 @@ if eqx is not None:
         convention of ``jax_flash.attention``); this runs in the kernels,
         where a ``mask`` array cannot.
       implementation: passed to ``jax_flash.attention``.
+      use_sinks: give the layer attention sinks (``jax_flash.attention``'s
+        ``sinks``): a float32 ``[num_heads]`` field ``sinks``, trained with the
+        other parameters and initialised to zeros. Without it ``sinks`` is
+        ``None``, which adds no leaf to the layer's pytree.
 
     A ``mask`` passed to ``__call__`` is honoured with a plain XLA computation
     (combined with ``causal``). Dropout on the attention weights
@@ -166,6 +219,7 @@ if eqx is not None:
     value_proj: eqx.nn.Linear
     output_proj: eqx.nn.Linear
     dropout: eqx.nn.Dropout
+    sinks: jax.Array | None
 
     num_heads: int = eqx.field(static=True)
     query_size: int = eqx.field(static=True)
@@ -187,9 +241,10 @@ if eqx is not None:
                  use_query_bias: bool = False, use_key_bias: bool = False,
                  use_value_bias: bool = False, use_output_bias: bool = False,
                  dropout_p: float = 0.0, inference: bool = False, dtype=None, *, key,
-                 causal: bool = False, implementation: str | None = None):
-      """Arguments as ``equinox.nn.MultiheadAttention``, plus ``causal`` and
-      ``implementation`` (see the class docstring)."""
+                 causal: bool = False, implementation: str | None = None,
+                 use_sinks: bool = False):
+      """Arguments as ``equinox.nn.MultiheadAttention``, plus ``causal``,
+      ``implementation`` and ``use_sinks`` (see the class docstring)."""
       # Same defaults and the same split of ``key`` as the stock layer, so
       # that one key initialises both identically.
       key_size = query_size if key_size is None else key_size
@@ -207,6 +262,8 @@ if eqx is not None:
       self.output_proj = eqx.nn.Linear(num_heads * vo_size, output_size,
                                        use_bias=use_output_bias, dtype=dtype, key=okey)
       self.dropout = eqx.nn.Dropout(dropout_p, inference=inference)
+      # Zeros: a sink of 0 weighs like one more key of logit 0.
+      self.sinks = jnp.zeros(num_heads, jnp.float32) if use_sinks else None
       self.num_heads = num_heads
       self.query_size = query_size
       self.key_size = key_size
@@ -251,7 +308,8 @@ if eqx is not None:
       query_heads, key_heads, value_heads = heads
       if mask is None:
         attn = api.attention(query_heads[None], key_heads[None], value_heads[None],
-                             causal=self.causal, implementation=self.implementation)[0]
+                             causal=self.causal, sinks=self.sinks,
+                             implementation=self.implementation)[0]
       else:
         mask = jnp.asarray(mask, jnp.bool_)
         expected = (query.shape[0], key_.shape[0])
@@ -259,7 +317,8 @@ if eqx is not None:
           raise ValueError(f"mask must have shape {expected} or {(self.num_heads, *expected)}, "
                            f"got {mask.shape}")
         mask = mask if mask.ndim == 3 else mask[None]
-        attn = _masked_attention(query_heads, key_heads, value_heads, mask, self.causal)
+        attn = _masked_attention(query_heads, key_heads, value_heads, mask, self.causal,
+                                 self.sinks)
       return jax.vmap(self.output_proj)(attn.reshape(query.shape[0], -1))
 
     def _project(self, proj, x):

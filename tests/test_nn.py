@@ -1,15 +1,19 @@
 """jax_flash.nn against the stock Flax (linen, NNX) and Equinox layers: same
 parameters, same outputs and gradients, under jit."""
 
+import functools
+
 import chex
 import equinox as eqx
 import flax.linen as linen
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 import jax_flash.nn
+from jax_flash import reference
 
 FEATURES = 32
 HEADS = 4
@@ -218,3 +222,83 @@ def test_equinox_dropout():
                               **TOLERANCE)
   chex.assert_trees_all_close(eqx.nn.inference_mode(ours)(q, k, v),
                               eqx.nn.inference_mode(stock)(q, k, v), **TOLERANCE)
+
+
+# Attention sinks (issue 52)
+
+
+SINKS = jnp.linspace(-1.0, 3.0, HEADS, dtype=jnp.float32)
+
+
+class LinenSinkBlock(linen.Module):
+  """A stock linen attention layer whose attention_fn gets this module's
+  sinks parameter (nn.py's module docstring)."""
+  attention_fn: object  # sinks -> attention_fn
+
+  @linen.compact
+  def __call__(self, x):
+    sinks = self.param("sinks", lambda key: SINKS)
+    return linen.MultiHeadDotProductAttention(
+        num_heads=HEADS, qkv_features=FEATURES, attention_fn=self.attention_fn(sinks))(x)
+
+
+def reference_attention_fn(causal):
+  """An attention_fn with sinks in plain XLA: the softmax with a sink column."""
+  def with_sinks(sinks):
+    def attend(query, key, value):
+      out, _ = reference.attention_reference(query, key, value, scale=query.shape[-1] ** -0.5,
+                                             window_right=0 if causal else -1, sinks=sinks)
+      return out
+    return attend
+  return with_sinks
+
+
+@pytest.mark.parametrize("causal", [pytest.param(False, id="full", marks=pytest.mark.slow),
+                                    pytest.param(True, id="causal")])
+def test_linen_sinks_from_a_parent_module(causal):
+  x = inputs(2, 19, FEATURES)
+  ours = LinenSinkBlock(lambda sinks: functools.partial(
+      jax_flash.nn.make_flax_attention_fn(is_causal=causal), sinks=sinks))
+  plain = LinenSinkBlock(reference_attention_fn(causal))
+  params = ours.init(jax.random.key(0), x)
+
+  def loss(layer):
+    return lambda params, x: jnp.sum(jnp.sin(layer.apply(params, x)))
+
+  got = jax.jit(jax.value_and_grad(loss(ours), argnums=(0, 1)))(params, x)
+  want = jax.jit(jax.value_and_grad(loss(plain), argnums=(0, 1)))(params, x)
+  chex.assert_trees_all_close(got, want, **TOLERANCE)
+  assert np.all(np.abs(np.asarray(got[1][0]["params"]["sinks"])) > 1e-3)  # the sinks learn
+  assert uses_kernels(loss(ours), params, x)
+
+
+def test_flax_sinks_need_the_mask_as_structure():
+  q = inputs(1, 5, HEADS, 8)
+  with pytest.raises(NotImplementedError, match="attention sinks with a mask"):
+    jax_flash.nn.flax_attention_fn(q, q, q, mask=jnp.ones((1, 1, 5, 5), bool), sinks=SINKS)
+  with pytest.raises(ValueError, match=r"sinks must have shape \(4,\)"):
+    jax_flash.nn.flax_attention_fn(q, q, q, sinks=SINKS[:2])
+
+
+@pytest.mark.parametrize("causal", [pytest.param(False, id="full", marks=pytest.mark.slow),
+                                    pytest.param(True, id="causal")])
+def test_equinox_sinks(causal):
+  # The kernel path against the layer's own XLA path for masks (an all-true
+  # mask), both with the layer's sinks; zero sinks by default, set here.
+  stock, _ = eqx_pair(causal)
+  ours = jax_flash.nn.MultiheadAttention(HEADS, FEATURES, key=jax.random.key(7), causal=causal,
+                                         use_sinks=True)
+  chex.assert_trees_all_equal(ours.sinks, jnp.zeros(HEADS, jnp.float32))
+  ours = eqx.tree_at(lambda layer: layer.sinks, ours, SINKS)
+  q, k, v = eqx_inputs(stock, 17, 17)
+  got = eqx_loss(ours)(q, k, v)
+  want = eqx_loss(ours, jnp.ones((17, 17), bool))(q, k, v)
+  assert_same_loss_and_grads(got, want)
+  assert np.all(np.abs(np.asarray(got[1].sinks)) > 1e-3)
+  assert uses_kernels(lambda q, k, v: jax.vmap(ours)(q, k, v), q, k, v)
+  # Sinks of -inf are none: the stock layer's result.
+  no_sinks = eqx.tree_at(lambda layer: layer.sinks, ours, jnp.full(HEADS, -jnp.inf))
+  mask = jnp.tril(jnp.ones((17, 17), bool)) if causal else None
+  chex.assert_trees_all_close(jax.vmap(no_sinks)(q, k, v),
+                              jax.vmap(lambda q, k, v: stock(q, k, v, mask))(q, k, v),
+                              **TOLERANCE)
