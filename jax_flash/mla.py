@@ -1,0 +1,228 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3) decoding against a
+paged latent cache, in bfloat16 / float16 or FP8 (docs/mla.md).
+
+MLA caches one 576-wide row per token, shared by every query head: 512
+latent columns and 64 RoPE columns. With the up-projections absorbed into
+the queries, decoding is multi-query attention with head dim 576 for
+``Q K^T`` and the row's first 512 columns as V. The cache is paged as in
+``jax_flash.paged_attention`` (its page table, lengths and causal rule),
+in pages of 64 tokens.
+
+Today every call runs the XLA composition (``mla_reference``); the Hopper
+kernels for both formats plug in behind the same function.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flash import paged, validation
+from jax_flash.mla_fp8 import (FP8_DTYPE, HEAD_DIM, LATENT_DIM, PAGE_SIZE, ROPE_DIM,
+                               ROPE_DTYPE, MlaFp8Cache, empty_fp8_cache, fp8_reference,
+                               quantize_latent, write_fp8_cache)
+
+__all__ = ["MlaFp8Cache", "empty_mla_cache", "mla_decode", "mla_reference", "quantize_latent",
+           "write_mla_cache"]
+
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def mla_decode(q, cache, page_table, cache_lengths, *, scale, query_lengths=None,
+               return_lse: bool = False, implementation: str | None = None):
+  """MLA attention of new tokens against a paged latent cache (forward only).
+
+  Each sequence ``b`` has ``cache_lengths[b]`` tokens in its cache, the last
+  ``query_lengths[b]`` of which are its new tokens, already written
+  (``write_mla_cache``): query row ``t`` is token ``cache_lengths[b] -
+  query_lengths[b] + t`` and sees the cache up to itself, so speculative
+  tokens are causal among themselves (``paged_attention``'s rule).
+
+  Args:
+    q: ``[batch, s_q, heads, 576]`` bfloat16 or float16: per head, the
+      absorbed query (512 latent columns, ``q_nope @ W_UK``) then its 64
+      RoPE columns. Rows past a sequence's ``query_lengths`` are padding
+      (zero output, lse ``-inf``).
+    cache: ``[num_pages, 64, 576]`` in q's dtype (the latent then the
+      RoPE columns of each token), or an ``MlaFp8Cache`` (q bfloat16), whose
+      queries are quantised per token and head like its tokens (docs/mla.md).
+    page_table: int32 ``[batch, max_pages]``: token ``i`` of sequence ``b``
+      sits in page ``page_table[b, i // 64]`` at row ``i % 64``. Entries
+      past a sequence's last page are never read.
+    cache_lengths: int32 ``[batch]``, new tokens included. Slots past it
+      may hold anything, NaN included.
+    scale: the softmax scale, required: MLA's comes from the head dim of
+      the un-absorbed attention, not from the cache's 576 columns.
+      DeepSeek-V2/V3 use ``(128 + 64) ** -0.5``, times ``mscale ** 2`` with
+      YaRN context extension (V3: ``mscale = 0.1 * ln(40) + 1``).
+    query_lengths: int32 ``[batch]``, new tokens per sequence; ``None``:
+      ``s_q`` for every sequence.
+    return_lse: also return the natural-log log-sum-exp, float32
+      ``[batch, heads, s_q]``.
+    implementation: ``None`` runs jax_flash's kernel where one applies and
+      the XLA composition elsewhere; ``"flash"`` raises
+      ``NotImplementedError`` where no kernel applies; ``"xla"``: the XLA
+      composition (``mla_reference``). No MLA kernel exists yet: every call
+      runs the composition.
+
+  Page ids and lengths are checked when they are concrete; inside ``jit`` a
+  page id outside the pool reads zeros and lengths clip to the table. A NaN
+  or Inf in a position a row sees (its query, a visible token) reaches that
+  row; nothing it does not see does. Heads shard over a mesh axis with the
+  cache replicated (tensor parallel): each device computes its heads with no
+  communication. No gradient is defined.
+
+  Returns:
+    ``out [batch, s_q, heads, 512]`` in q's dtype, or ``(out, lse)``.
+  """
+  validation.check_implementation(implementation, (None, "flash", "xla"))
+  _check_mla(q, cache, page_table, cache_lengths, query_lengths)
+  scale = _check_scale(scale)
+  return_lse = validation.check_flag(return_lse, "return_lse")
+  if implementation == "flash":
+    raise NotImplementedError(f"implementation='flash': {_kernel_unavailable_reason(cache)}")
+  batch, max_new = jnp.shape(q)[:2]
+  if query_lengths is None:
+    query_lengths = jnp.full((batch,), max_new, jnp.int32)
+  out, lse = mla_reference(q, cache, jnp.asarray(page_table, jnp.int32),
+                           jnp.asarray(cache_lengths, jnp.int32),
+                           jnp.asarray(query_lengths, jnp.int32), scale=scale)
+  return (out, lse) if return_lse else out
+
+
+def mla_reference(q, cache, page_table, cache_lengths, query_lengths, *, scale: float):
+  """The XLA composition over gathered pages: ``(out in q's dtype, lse)``.
+
+  The bfloat16 / float16 cache: exact softmax attention in float32
+  (``paged.paged_attention_reference`` on the cache as one kv head, V its
+  first 512 columns). The FP8 cache: the kernel's maths
+  (``mla_fp8.fp8_reference``: FP8 query and latent products, P requantised
+  per row and key block)."""
+  if isinstance(cache, MlaFp8Cache):
+    return fp8_reference(q, cache, page_table, cache_lengths, query_lengths, scale=scale)
+  pool = cache[:, :, None]  # [num_pages, 64, 1 kv head, 576]
+  return paged.paged_attention_reference(q, pool, pool[..., :LATENT_DIM], page_table,
+                                         cache_lengths, query_lengths, scale=scale)
+
+
+def write_mla_cache(cache, latent, page_table, cache_lengths, query_lengths=None):
+  """Writes the new tokens' latent rows ``[batch, max_new, 576]`` into their
+  pages: row ``t`` of sequence ``b`` becomes token ``cache_lengths[b] -
+  query_lengths[b] + t`` (``mla_decode``'s arguments). Rows past
+  ``query_lengths[b]`` and tokens whose page id lies outside the pool are
+  dropped. An ``MlaFp8Cache`` takes rows of any float dtype and quantises
+  them per token (``quantize_latent``); a bfloat16 / float16 cache takes
+  its own dtype. Returns the new cache: under ``jit`` with the cache donated
+  (``donate_argnums``) XLA writes it in place."""
+  fp8 = isinstance(cache, MlaFp8Cache)
+  num_pages = _check_cache(cache, None if fp8 else jnp.result_type(cache))
+  if jnp.ndim(latent) != 3 or jnp.shape(latent)[-1] != HEAD_DIM:
+    raise ValueError(f"latent must be [batch, max_new_tokens, {HEAD_DIM}] ({LATENT_DIM} latent "
+                     f"+ {ROPE_DIM} RoPE columns), got shape {jnp.shape(latent)}")
+  batch, max_new = jnp.shape(latent)[:2]
+  paged._check_table(page_table, cache_lengths, query_lengths, batch, max_new, num_pages,
+                     PAGE_SIZE)
+  if fp8:
+    if not jnp.issubdtype(jnp.result_type(latent), jnp.floating):
+      raise ValueError(f"latent must be floating point, got {jnp.result_type(latent)}")
+    return write_fp8_cache(cache, latent, page_table, cache_lengths, query_lengths)
+  if jnp.result_type(latent) != jnp.result_type(cache):
+    raise ValueError(f"latent must have the cache's dtype {jnp.result_type(cache)}, got "
+                     f"{jnp.result_type(latent)}")
+  # One pool: write_paged_cache's (k, v) pair gets it twice and the second
+  # copy is dropped (under jit, XLA removes its write).
+  pool, rows = cache[:, :, None], latent[:, :, None]
+  written, _ = paged.write_paged_cache(pool, pool, rows, rows, page_table, cache_lengths,
+                                       query_lengths)
+  return written[:, :, 0]
+
+
+def empty_mla_cache(num_pages: int, kv_dtype=jnp.bfloat16):
+  """A zero cache of ``num_pages`` pages: a ``[num_pages, 64, 576]`` array
+  for bfloat16 / float16, an ``MlaFp8Cache`` for ``float8_e4m3fn``."""
+  if isinstance(num_pages, (bool, np.bool_)) or not isinstance(num_pages, (int, np.integer)) \
+      or num_pages < 0:
+    raise ValueError(f"num_pages must be an int >= 0, got {num_pages!r}")
+  dtype = jnp.dtype(kv_dtype)
+  if dtype == FP8_DTYPE:
+    return empty_fp8_cache(int(num_pages))
+  if dtype not in _DTYPES:
+    raise ValueError(f"kv_dtype must be bfloat16, float16 or float8_e4m3fn, got {dtype.name}")
+  return jnp.zeros((int(num_pages), PAGE_SIZE, HEAD_DIM), dtype)
+
+
+def _kernel_unavailable_reason(cache) -> str:
+  """Why no kernel serves this call: none exists yet, on any platform."""
+  kind = "FP8" if isinstance(cache, MlaFp8Cache) else jnp.result_type(cache).name
+  return (f"jax_flash has no MLA decode kernel yet (the Hopper kernels for the bfloat16 and "
+          f"FP8 latent caches are still missing), so none serves this {kind} cache; "
+          "implementation=None or 'xla' runs the XLA composition")
+
+
+def _check_scale(scale) -> float:
+  if scale is None:
+    raise ValueError("scale must be given: MLA's softmax scale comes from the un-absorbed head "
+                     "dim, not from the cache's 576 columns (DeepSeek-V2/V3: (128 + 64) ** -0.5, "
+                     "times mscale ** 2 with YaRN)")
+  return validation.check_scale(scale, HEAD_DIM)
+
+
+def _check_mla(q, cache, page_table, cache_lengths, query_lengths) -> None:
+  if jnp.ndim(q) != 4 or jnp.shape(q)[-1] != HEAD_DIM:
+    raise ValueError(f"q must be [batch, s_q, heads, {HEAD_DIM}] ({LATENT_DIM} latent + "
+                     f"{ROPE_DIM} RoPE columns), got shape {jnp.shape(q)}")
+  batch, s_q, heads, _ = jnp.shape(q)
+  if s_q < 1 or heads < 1:
+    raise ValueError(f"q must have s_q >= 1 and heads >= 1, got shape {jnp.shape(q)}")
+  dtype = jnp.result_type(q)
+  if dtype not in _DTYPES:
+    raise ValueError(f"q must be bfloat16 or float16, got {dtype}")
+  if isinstance(cache, MlaFp8Cache) and dtype != ROPE_DTYPE:
+    raise ValueError(f"q must be bfloat16 with an FP8 cache (its RoPE columns multiply the "
+                     f"cache's bfloat16 RoPE columns), got {dtype}")
+  num_pages = _check_cache(cache, dtype)
+  paged._check_table(page_table, cache_lengths, query_lengths, batch, s_q, num_pages, PAGE_SIZE)
+
+
+def _check_cache(cache, dtype) -> int:
+  """The cache's number of pages, after checking its format; ``dtype``: the
+  bfloat16 / float16 cache's expected dtype (None: its own)."""
+  if isinstance(cache, MlaFp8Cache):
+    return _check_fp8_cache(cache)
+  if not hasattr(cache, "shape") or not hasattr(cache, "dtype"):
+    raise ValueError(f"cache must be a [num_pages, {PAGE_SIZE}, {HEAD_DIM}] array or an "
+                     f"MlaFp8Cache, got {type(cache).__name__}")
+  if jnp.ndim(cache) != 3:
+    raise ValueError(f"cache must have rank 3 [num_pages, {PAGE_SIZE}, {HEAD_DIM}], got shape "
+                     f"{jnp.shape(cache)}")
+  num_pages, page_size, width = jnp.shape(cache)
+  _check_page_size(page_size, "cache")
+  if width != HEAD_DIM:
+    raise ValueError(f"cache rows must be {HEAD_DIM} wide ({LATENT_DIM} latent + {ROPE_DIM} "
+                     f"RoPE), got {width}")
+  cache_dtype = jnp.result_type(cache)
+  if cache_dtype not in _DTYPES or (dtype is not None and cache_dtype != dtype):
+    want = "bfloat16 or float16" if dtype is None else f"q's dtype {jnp.dtype(dtype).name}"
+    raise ValueError(f"cache must be {want} (or an MlaFp8Cache), got {cache_dtype}")
+  return num_pages
+
+
+def _check_fp8_cache(cache: MlaFp8Cache) -> int:
+  num_pages = jnp.shape(cache.latent)[0] if jnp.ndim(cache.latent) else 0
+  parts = (("latent", cache.latent, (num_pages, PAGE_SIZE, LATENT_DIM), FP8_DTYPE),
+           ("scales", cache.scales, (num_pages, PAGE_SIZE), jnp.dtype(jnp.float32)),
+           ("rope", cache.rope, (num_pages, PAGE_SIZE, ROPE_DIM), ROPE_DTYPE))
+  for name, part, shape, dtype in parts:
+    if jnp.ndim(part) == len(shape) and len(shape) > 1:
+      _check_page_size(jnp.shape(part)[1], f"cache.{name}")
+    if jnp.shape(part) != shape:
+      raise ValueError(f"cache.{name} must have shape {shape} [num_pages, page_size"
+                       f"{', width' if len(shape) == 3 else ''}], got {jnp.shape(part)}")
+    if jnp.result_type(part) != dtype:
+      raise ValueError(f"cache.{name} must be {dtype.name}, got {jnp.result_type(part)}")
+  return num_pages
+
+
+def _check_page_size(page_size: int, name: str) -> None:
+  if page_size != PAGE_SIZE:
+    raise ValueError(f"{name} must hold pages of {PAGE_SIZE} tokens (the kernels' key tile), "
+                     f"got {page_size}")
