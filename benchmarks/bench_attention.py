@@ -2,6 +2,7 @@
 
     python benchmarks/bench_attention.py --out gpu_out/bench.json --plot sweep_bf16.png
     python benchmarks/bench_attention.py --dtype float16 --head-dims 128   # with Pallas
+    python benchmarks/bench_attention.py --impls jax_flash --sinks --head-dims 64 128 --seqs 8192
 
 The default sweep is issue 3's grid: head dims 64, 128, 256 x sequence lengths
 1k to 32k x causal and not. Every configuration keeps ``--tokens`` tokens per
@@ -34,6 +35,7 @@ from jax_flash import benchmark
 # XLA materialises the [B, N, S, S] scores; past this length it runs out of memory.
 XLA_MAX_SEQ = 8192
 DETERMINISTIC = "deterministic"
+SINKS = "sinks"
 HEADER = (f"{'hd':>7}{'seq':>7}{'causal':>7}  {'impl':<24}{'fwd TF':>8}{'bwd TF':>8}"
           f"{'fwd/cuDNN':>10}{'bwd/cuDNN':>10}{'fwd/ceil':>9}{'bwd/ceil':>9}{'elapsed':>9}")
 
@@ -90,11 +92,13 @@ def median_results(rounds: list) -> dict:
   return medians
 
 
-def measurements(impls, deterministic: bool, label: str = "", softcap: float | None = None) -> list:
+def measurements(impls, deterministic: bool, label: str = "", softcap: float | None = None,
+                 sinks: bool = False) -> list:
   """(impl, variant, jax_flash options) to time per configuration, cuDNN first
   so that every line can print its ratio to it. ``label`` names the variant
   of jax_flash's rows (a kernel alternative); ``softcap`` adds jax_flash
-  with that cap (cuDNN's JAX API has none: its ratio is to uncapped cuDNN)."""
+  with that cap (cuDNN's JAX API has none: its ratio is to uncapped cuDNN);
+  ``sinks`` adds jax_flash with attention sinks (``measure_with_sinks``)."""
   plan = [(impl, label if impl == "jax_flash" else "", {})
           for impl in sorted(impls, key=lambda impl: impl != "cudnn")]
   if deterministic:
@@ -103,7 +107,35 @@ def measurements(impls, deterministic: bool, label: str = "", softcap: float | N
   if softcap is not None:
     plan.append(("jax_flash", "-".join(filter(None, (label, f"softcap-{softcap:g}"))),
                  {"softcap": softcap}))
+  if sinks:
+    plan.append(("jax_flash", "-".join(filter(None, (label, SINKS))), {SINKS: True}))
   return plan
+
+
+def measure_with_sinks(impl: str, config, iters=None, backward: bool = True, sinks: bool = True):
+  """``benchmark.measure`` of jax_flash with random attention sinks, which
+  the backward differentiates too, as training a learnable sink does."""
+  del impl, sinks  # the signature of benchmark.measure, called for jax_flash's sinks entry
+  q, k, v, dout = benchmark.inputs(config)
+  sink_values = jax.random.normal(jax.random.key(1), (config.heads,), jnp.float32)
+  attend = lambda q, k, v, sinks: jax_flash.attention(q, k, v, causal=config.causal, sinks=sinks,
+                                                      implementation="flash")
+
+  @jax.jit
+  def forward_backward(q, k, v, sinks, dout):
+    return jax.vjp(attend, q, k, v, sinks)[1](dout)
+
+  result = {"fwd_ms": benchmark._time(jax.jit(attend), (q, k, v, sink_values), iters)}
+  result["fwd_tflops"] = config.forward_flops() / result["fwd_ms"] / 1e9
+  if backward:
+    try:
+      total = benchmark._time(forward_backward, (q, k, v, sink_values, dout), iters)
+    except Exception as e:  # reported beside the forward numbers, as benchmark.measure does
+      result["bwd_error"] = benchmark.error_summary(e)
+      return result
+    result["bwd_ms"] = max(total - result["fwd_ms"], 1e-6)
+    result["bwd_tflops"] = config.backward_flops() / result["bwd_ms"] / 1e9
+  return result
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--softcap", type=float,
                       help="also time jax_flash with this logit softcap (rows with variant "
                            "'softcap-C')")
+  parser.add_argument("--sinks", action="store_true",
+                      help=f"also time jax_flash with random attention sinks, differentiated "
+                           f"like q, k and v (rows with variant {SINKS!r})")
   parser.add_argument("--variant", default="",
                       help="variant of the jax_flash rows, e.g. the name of a kernel alternative "
                            "loaded with JAX_FLASH_CUDA_LIBRARY (scripts/build_alternative.sh)")
@@ -174,7 +209,7 @@ def main(argv=None) -> int:
     print("--deterministic: jax_flash.attention has no `deterministic` keyword in this build; "
           "skipped")
     deterministic = False
-  plan = measurements(impls, deterministic, args.variant, args.softcap)
+  plan = measurements(impls, deterministic, args.variant, args.softcap, args.sinks)
   configs = sweep_configs(args.head_dims, args.seqs, causal_values, args.tokens, args.heads,
                           args.dtype)
   print(f"{len(configs)} configurations x {len(plan)} implementations", flush=True)
@@ -190,8 +225,9 @@ def main(argv=None) -> int:
           continue
         name = f"{impl}:{variant}" if variant else impl
         try:
-          result = benchmark.measure(impl, config, iters=args.iters,
-                                     backward=not args.forward_only, **options)
+          measure = measure_with_sinks if options.get(SINKS) else benchmark.measure
+          result = measure(impl, config, iters=args.iters, backward=not args.forward_only,
+                           **options)
         except Exception as e:  # a configuration an implementation rejects is reported, not fatal
           print(f"{config.dims_label:>7}{config.seq:>7}{str(config.causal):>7}  {name:<24}failed: "
                 f"{benchmark.error_summary(e)}", flush=True)
