@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flash import _cpu_ffi, api, configs, ffi, reference, sharding, validation
+from jax_flash.sinks import add_sinks
 
 _PAGED_TARGET = "jax_flash_gpu_paged_fwd_v1"
 _CPU_PAGED_TARGET = "jax_flash_cpu_paged_fwd_v1"
@@ -55,7 +56,7 @@ for _name, _capsule in _cpu_ffi.paged_registrations().items():
 
 def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_lengths=None,
                     causal: bool = True, window=None, scale: float | None = None,
-                    softcap: float | None = None, kv_split_size: int | None = None,
+                    softcap: float | None = None, sinks=None, kv_split_size: int | None = None,
                     return_lse: bool = False, implementation: str | None = None):
   """Attention of new tokens against a paged KV cache (forward only).
 
@@ -92,6 +93,9 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
       partial output of the chunk's size. The CPU kernel does not split.
     return_lse: also return the natural-log log-sum-exp, float32
       ``[batch, heads_q, max_new_tokens]``.
+    sinks: attention sinks, float32 ``[heads_q]``, as in ``attention``
+      (folded in after the kernels); rows that see no key, padding rows
+      included, then output zeros with an lse equal to their sink.
     implementation: ``None`` runs jax_flash's kernel where one applies
       (Hopper GPUs; CPUs, any dtype and head dim up to 512) and the XLA
       composition elsewhere (other GPUs); ``"flash"`` raises
@@ -116,6 +120,7 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
   if validation.check_flag(causal, "causal"):
     window_right = 0 if window_right < 0 else min(window_right, 0)
   softcap = validation.check_softcap(softcap)
+  sinks = validation.check_sinks(sinks, jnp.shape(q)[2])
   batch, max_new = q.shape[:2]
   if query_lengths is None:
     query_lengths = jnp.full((batch,), max_new, jnp.int32)
@@ -138,6 +143,10 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
                                split_keys=shapes["split_keys"], **mask)
   out, lse = sharding.on_explicit_mesh(attend, q, k_pages, v_pages, page_table, cache_lengths,
                                        query_lengths)
+  if sinks is not None:
+    # A padding row sees no key, whatever its query left in the kernel's lse.
+    padding = jnp.arange(max_new)[None, None, :] >= query_lengths[:, None, None]
+    out, lse = add_sinks(out, jnp.where(padding, -jnp.inf, lse), sinks)
   return (out, lse) if return_lse else out
 
 
