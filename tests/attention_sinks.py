@@ -16,14 +16,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-# attention_base imports this module for SinksSpec; its helpers are looked up
-# when a test runs, by then it is loaded.
-import attention_base
 import jax_flash
 import numerics
 from jax_flash import reference
 
 NAMES = ("out", "lse", "dq", "dk", "dv", "dsinks")
+
+
+def _base():
+  """attention_base, for its mask helpers: imported when a test runs, as it
+  imports this module for SinksSpec."""
+  import attention_base
+  return attention_base
 
 
 def sink_values(heads_q: int, seed: int = 0):
@@ -111,7 +115,7 @@ class SinksSpec:
     got = run_with_sinks(q, k, v, sinks, dout, dlse, self.implementation, causal=causal,
                          window=window, query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
                          segment_ids=segment_ids, softcap=softcap, deterministic=deterministic)
-    mask = attention_base.mask_kwargs(seq_q, seq_k, causal, window, q_lens, kv_lens, segment_ids)
+    mask = _base().mask_kwargs(seq_q, seq_k, causal, window, q_lens, kv_lens, segment_ids)
     assert_matches_sink_reference(got, q, k, v, sinks, dout, dlse,
                                   scale=1.0 / np.sqrt(head_dim), softcap=softcap or 0.0, **mask)
     return got, sinks
@@ -126,7 +130,7 @@ class SinksSpec:
         "causal-gqa": dict(causal=True, heads_q=8, heads_kv=2),
         "documents-window-softcap": dict(
             seq_q=260, seq_k=260, window=(70, 0), softcap=3.0,
-            segment_ids=attention_base.packed_segment_ids(14, batch=2, seq=260, num_docs=3)),
+            segment_ids=_base().packed_segment_ids(14, batch=2, seq=260, num_docs=3)),
         "full": {},
         "window": dict(seq_q=150, seq_k=150, window=(16, 8)),
         "mqa": dict(heads_q=8, heads_kv=1, causal=True),
@@ -136,9 +140,9 @@ class SinksSpec:
                        kv_lens=jnp.array([700, 90, 0], jnp.int32)),
         "cross-documents": dict(
             seq_q=120, seq_k=200,
-            segment_ids=(attention_base.packed_segment_ids(9, batch=2, seq=120, num_docs=4,
+            segment_ids=(_base().packed_segment_ids(9, batch=2, seq=120, num_docs=4,
                                                            padding=7),
-                         attention_base.packed_segment_ids(10, batch=2, seq=200, num_docs=4))),
+                         _base().packed_segment_ids(10, batch=2, seq=200, num_docs=4))),
         "many-keys": dict(batch=1, seq_q=130, seq_k=1100, heads_q=2, heads_kv=1),
         "deterministic": dict(causal=True, heads_q=8, heads_kv=2, deterministic=True),
     }[case]
@@ -155,7 +159,7 @@ class SinksSpec:
     sinks = sink_values(4, 3)
     dout, dlse = random_cotangents(3, dout.shape, (1, 4, 150), dtype)
     got = run_with_sinks(q, k, v, sinks, dout, dlse, self.implementation, causal=True)
-    mask = attention_base.mask_kwargs(150, 150, causal=True)
+    mask = _base().mask_kwargs(150, 150, causal=True)
     assert_matches_sink_reference(got, q, k, v, sinks, dout, dlse, scale=head_dim ** -0.5,
                                   **mask)
 
@@ -182,7 +186,7 @@ class SinksSpec:
     # without keys too.
     kw = (dict(causal=True, query_seq_lengths=jnp.array([150, 40], jnp.int32),
                key_value_seq_lengths=jnp.array([70, 100], jnp.int32)) if mask == "causal-lengths"
-          else dict(segment_ids=attention_base.packed_segment_ids(5, 2, 100, num_docs=3,
+          else dict(segment_ids=_base().packed_segment_ids(5, 2, 100, num_docs=3,
                                                                   padding=9)))
     q, k, v, dout = numerics.random_qkv(4, 2, 150 if mask != "documents" else 100, 100, 4, 2,
                                         self.head_dims[0], self.dtypes[0])
