@@ -1,6 +1,6 @@
-"""Ring attention with attention sinks on 8 fake CPU devices (conftest.py):
-the sink joins once, after the ring has merged the blocks, and its gradient
-sums over the rows of every sequence shard."""
+"""Attention sinks on 8 fake CPU devices (conftest.py): ring attention (the
+sink joins once, after the ring has merged the blocks, and its gradient sums
+over the rows of every sequence shard), and batch / head sharding under jit."""
 
 import jax
 import jax.numpy as jnp
@@ -71,3 +71,28 @@ def test_ring_attention_sharded_checks_the_global_sinks():
   with pytest.raises(ValueError, match=r"sinks must have shape \(4,\) \[heads_q\], got \(2,\)"):
     jax_flash.ring_attention_sharded(q, k, k, mesh=mesh, seq_axis="sp", head_axis="tp",
                                      sinks=jnp.zeros(2, jnp.float32), implementation="cpu")
+
+
+def test_batch_and_head_sharding_with_sinks():
+  # The sinks sharded like the heads: the unsharded gradients, nothing
+  # gathered (d_sinks sums over the batch shards: one small all-reduce).
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "tp"))
+  q, k, v, dout = numerics.random_qkv(1, 2, 64, 64, 8, 4, 32, jnp.bfloat16)
+  spec = P("dp", None, "tp")
+
+  def loss(q, k, v, sinks):
+    out, lse = jax_flash.attention(q, k, v, causal=True, sinks=sinks, return_lse=True,
+                                   implementation="cpu")
+    return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)) + jnp.sum(jnp.sin(lse))
+
+  grads = jax.jit(jax.grad(loss, (0, 1, 2, 3)))
+  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+  sharded_args = (put(q, spec), put(k, spec), put(v, spec), put(sink_values(8, 1), P("tp")))
+  sharded = grads(*sharded_args)
+  plain = grads(q, k, v, sink_values(8, 1))
+  for got, want, want_spec in zip(sharded, plain, (spec, spec, spec, P("tp"))):
+    assert got.sharding.is_equivalent_to(NamedSharding(mesh, want_spec), got.ndim)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=1e-5, atol=1e-5)
+  compiled = grads.lower(*sharded_args).compile().as_text()
+  assert "all-gather" not in compiled and "all-to-all" not in compiled
