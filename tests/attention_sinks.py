@@ -99,7 +99,6 @@ class SinksSpec:
   implementation: str
   dtypes: tuple
   head_dims: tuple
-  deterministic_backward: bool
 
   def check_sinks(self, *, batch=2, seq_q=113, seq_k=241, heads_q=4, heads_kv=2, head_dim=None,
                   dtype=None, causal=False, window=None, q_lens=None, kv_lens=None,
