@@ -4,6 +4,9 @@ process.
 
     python benchmarks/bench_paged_cpu.py --out benchmarks/results/cpu-DATE-paged.json
 
+The header's "gpu" is "cpu", the series the results tooling names the file
+by (benchmarks/add_run.py: gpu_series); "cpu" holds the processor.
+
 Each shape is a batch of sequences with the same cache length in a shuffled
 page pool: ``paged_decode`` rows have one new token per sequence,
 ``paged_prefill`` rows a few (speculative tokens or a short chunk), causal
@@ -81,6 +84,16 @@ def run(seqs, new_tokens, head_dims, dtypes, page_size):
   return rows
 
 
+def _processor_name() -> str:
+  try:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("model name"):
+        return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return jax.devices("cpu")[0].device_kind
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seqs", type=int, nargs="+", default=list(SEQS))
@@ -96,7 +109,7 @@ def main(argv=None) -> int:
   if args.out:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or None
-    run_info = {"cpu": cpu.device_kind, "jax": jax.__version__,
+    run_info = {"gpu": "cpu", "cpu": _processor_name(), "jax": jax.__version__,
                 "date": datetime.date.today().isoformat(), "commit": commit,
                 "command": "python benchmarks/bench_paged_cpu.py " + " ".join(
                     sys.argv[1:] if argv is None else argv),

@@ -356,7 +356,16 @@ struct RowSoftmax {
     } else {
       for (int j = a; j < e; ++j) s[j] = logits.uncapped_log2_logit_or_nan(s[j]);
     }
-    const float new_max = max_or_nan(row_max(s + a, e - a), max);
+    take_weights(s, a, e, row_max(s + a, e - a), dim_v);
+    add_tile_sum(s, 1, a, e, v_tile, dim_v, partial, acc);
+  }
+
+  // Turns the log2 logits s[a, e) (their maximum tile_max) into weights
+  // relative to the row's new maximum, and rescales the sum and acc to it;
+  // the caller then adds the weighted value rows to acc.
+  void take_weights(float* __restrict s, int a, int e, float tile_max,
+                    int dim_v) {
+    const float new_max = max_or_nan(tile_max, max);
     const float rescale = exp2_poly(max - new_max);
     for (int j = a; j < e; ++j) s[j] = exp2_poly(s[j] - new_max);
     sum = sum * rescale + row_sum(s + a, e - a);
@@ -364,7 +373,6 @@ struct RowSoftmax {
     if (rescale != 1.0f) {
       for (int d = 0; d < dim_v; ++d) acc[d] *= rescale;
     }
-    add_tile_sum(s, 1, a, e, v_tile, dim_v, partial, acc);
   }
 
   // Writes the row's output and natural-log lse; zeros and -inf for a row
