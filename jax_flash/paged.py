@@ -210,8 +210,13 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, cache_lengths, qu
   max_keys = page_table.shape[1] * page_size
   ids = jnp.asarray(page_table, jnp.int32)
   ids = jnp.where((ids >= 0) & (ids < num_pages), ids, num_pages)  # outside the pool: zeros
-  gather = lambda pages: jnp.take(pages, ids, axis=0, mode="fill", fill_value=0).reshape(
-      batch, max_keys, *pages.shape[2:]).astype(jnp.float32)
+
+  def gather(pages):
+    if num_pages == 0:  # every id is outside the pool (jnp.take refuses an empty axis)
+      return jnp.zeros((batch, max_keys, *pages.shape[2:]), jnp.float32)
+    return jnp.take(pages, ids, axis=0, mode="fill", fill_value=0).reshape(
+        batch, max_keys, *pages.shape[2:]).astype(jnp.float32)
+
   keys, values = gather(k_pages), gather(v_pages)
   lengths = jnp.clip(cache_lengths, 0, max_keys)
   q_lens = jnp.clip(query_lengths, 0, max_new)

@@ -382,6 +382,10 @@ class PagedChecks:
     inputs["page_table"] = jnp.asarray(table)
     got = self.run(dict(inputs, cache_lengths=jnp.asarray([100, 40, 2**31 - 1], jnp.int32)))
     assert_matches_float64(got, inputs, keys, values, jnp.float32, "bad ids")
+    # An empty pool: every id is outside it.
+    empty = dict(inputs, k_pages=inputs["k_pages"][:0], v_pages=inputs["v_pages"][:0])
+    zeros = [np.zeros_like(k) for k in keys]
+    assert_matches_float64(self.run(empty), inputs, zeros, zeros, jnp.float32, "empty pool")
 
 
 def place_sequence(batch, slot, single):
