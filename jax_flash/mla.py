@@ -12,14 +12,14 @@ Today every call runs the XLA composition (``mla_reference``); the Hopper
 kernels for both formats plug in behind the same function.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_flash import paged, validation
 from jax_flash.mla_fp8 import (FP8_DTYPE, HEAD_DIM, LATENT_DIM, PAGE_SIZE, ROPE_DIM,
                                ROPE_DTYPE, MlaFp8Cache, empty_fp8_cache, fp8_reference,
-                               quantize_latent, write_fp8_cache)
+                               quantize_latent, write_fp8_cache,
+                               write_token_rows)
 
 __all__ = ["MlaFp8Cache", "empty_mla_cache", "mla_decode", "mla_reference", "quantize_latent",
            "write_mla_cache"]
@@ -128,12 +128,8 @@ def write_mla_cache(cache, latent, page_table, cache_lengths, query_lengths=None
   if jnp.result_type(latent) != jnp.result_type(cache):
     raise ValueError(f"latent must have the cache's dtype {jnp.result_type(cache)}, got "
                      f"{jnp.result_type(latent)}")
-  # One pool: write_paged_cache's (k, v) pair gets it twice and the second
-  # copy is dropped (under jit, XLA removes its write).
-  pool, rows = cache[:, :, None], latent[:, :, None]
-  written, _ = paged.write_paged_cache(pool, pool, rows, rows, page_table, cache_lengths,
-                                       query_lengths)
-  return written[:, :, 0]
+  (written,) = write_token_rows((cache,), (latent,), page_table, cache_lengths, query_lengths)
+  return written
 
 
 def empty_mla_cache(num_pages: int, kv_dtype=jnp.bfloat16):

@@ -36,6 +36,9 @@ FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
 ROPE_DTYPE = jnp.dtype(jnp.bfloat16)
 # Keys per requantisation block of P: the kernel's key tile.
 P_BLOCK_KEYS = PAGE_SIZE
+# Columns per group when a cache write views a token's row as heads
+# (write_token_rows); it divides 576, 512 and 64.
+_WRITE_GROUP = 32
 
 
 class MlaFp8Cache(NamedTuple):
@@ -63,13 +66,19 @@ class MlaFp8Cache(NamedTuple):
 
 def quantize_rows(x):
   """``(values, scales)`` with ``x ~= values * scales[..., None]``: each row
-  (last axis) in float8_e4m3fn scaled so that its largest magnitude maps to
-  448 (``scale = amax / 448``, 1 for a zero row), saturating as the
-  kernel's conversions do. A NaN in a row makes that row's values NaN."""
+  (last axis) in float8_e4m3fn, its largest magnitude mapped to about 448.
+
+  ``scale = amax * (1 / 448)`` (1 for a zero row) and ``values =
+  e4m3(x * (1 / scale))``, saturating, rounding to nearest even: each step
+  one IEEE float32 operation, written as XLA would rewrite a division by a
+  constant or a broadcast anyway, so that XLA on any platform, numpy and a
+  kernel (``rcp.rn``, ``cvt.rn.satfinite``) produce the same bits. A NaN in a
+  row makes that row's values NaN."""
   x = jnp.asarray(x, jnp.float32)
   amax = jnp.max(jnp.abs(x), axis=-1)
-  scales = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-  values = jnp.clip(x / scales[..., None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+  scales = jnp.where(amax > 0, amax * jnp.float32(1 / FP8_MAX), 1.0)
+  inverse = 1 / scales
+  values = jnp.clip(x * inverse[..., None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
   return values, scales
 
 
@@ -196,14 +205,29 @@ def write_fp8_cache(cache: MlaFp8Cache, latent, page_table, cache_lengths, query
   """Quantises ``latent [batch, max_new, 576]`` per token and writes it
   where ``paged.write_paged_cache`` writes a token; returns the new cache."""
   values, scales, rope = quantize_latent(latent)
-  token = lambda x: x[:, :, None]  # the pools' heads axis: one latent head
-  new_latent, new_rope = paged.write_paged_cache(
-      token(cache.latent), token(cache.rope), token(values), token(rope), page_table,
-      cache_lengths, query_lengths)
-  # write_paged_cache writes a (k, v) pair; the scales go as both and the
-  # second copy is dropped (under jit, XLA removes its write).
-  pool = cache.scales[:, :, None, None]
-  new_scales, _ = paged.write_paged_cache(pool, pool, scales[..., None, None],
-                                          scales[..., None, None], page_table, cache_lengths,
-                                          query_lengths)
-  return MlaFp8Cache(new_latent[:, :, 0], new_scales[:, :, 0, 0], new_rope[:, :, 0])
+  new_latent, new_rope = write_token_rows((cache.latent, cache.rope), (values, rope), page_table,
+                                          cache_lengths, query_lengths)
+  (new_scales,) = write_token_rows((cache.scales,), (scales,), page_table, cache_lengths,
+                                   query_lengths)
+  return MlaFp8Cache(new_latent, new_scales, new_rope)
+
+
+def write_token_rows(pools, rows, page_table, cache_lengths, query_lengths):
+  """``paged.write_paged_cache`` for one or two pools holding one row (or
+  one value) per token, ``[num_pages, 64, ...]``, and their new tokens'
+  ``rows [batch, max_new, ...]``; returns the new pools.
+
+  A row goes to write_paged_cache as groups of 32 columns (its "heads"):
+  XLA:CPU copies a pool around its scatter when the pool has an axis of
+  one, which one kv head would give. A single pool goes as both halves of
+  write_paged_cache's (k, v) pair, and under jit XLA drops the unused
+  second write."""
+  def as_heads(x, lead):
+    tail = x.shape[lead:]
+    return x.reshape(*x.shape[:lead], *((tail[0] // _WRITE_GROUP, _WRITE_GROUP) if tail
+                                        else (1, 1)))
+  heads = [(as_heads(pool, 2), as_heads(new, 2)) for pool, new in zip(pools, rows)]
+  (k_pages, k), (v_pages, v) = heads if len(heads) == 2 else heads * 2
+  written = paged.write_paged_cache(k_pages, v_pages, k, v, page_table, cache_lengths,
+                                    query_lengths)
+  return tuple(new.reshape(pool.shape) for new, pool in zip(written, pools))
