@@ -22,12 +22,13 @@ PAGE = mla_fp8.PAGE_SIZE
 LATENT, WIDTH = mla_fp8.LATENT_DIM, mla_fp8.HEAD_DIM
 E4M3 = ml_dtypes.float8_e4m3fn
 SCALE = 192 ** -0.5  # DeepSeek-V2/V3's softmax scale without YaRN
-# The FP8 output's largest error against the float64 attention over the
-# unquantised bfloat16 cache, relative to the output's largest magnitude, on
-# this file's Gaussian inputs: benchmarks/mla_accuracy.py measures 0.041 at
-# 1000 keys ("gaussian" rows of benchmarks/results/cpu-2026-11-28-mla-accuracy.json),
-# so this bound is about twice that.
-FP8_RELATIVE_ERROR = 0.08
+# The FP8 output's error against the float64 attention over the unquantised
+# bfloat16 cache, relative to the output's magnitude, on Gaussian inputs
+# like this file's: benchmarks/mla_accuracy.py measured at most 0.080 (largest
+# error over largest magnitude) and 0.056 (RMS over RMS) at 1000 and 4096
+# keys (the "gaussian" rows of benchmarks/results/cpu-2026-11-28-mla-accuracy.json).
+# The tests allow twice that.
+FP8_MAX_ERROR, FP8_RMS_ERROR = 0.16, 0.11
 
 
 def numpy_quantize(x):
@@ -201,11 +202,14 @@ def test_matches_float64(fp8):
 
 def assert_within_fp8_error_of_unquantised(out, inputs, rows):
   """The FP8 output against float64 attention over the bfloat16 cache it
-  was quantised from: within the error the accuracy study measured."""
+  was quantised from, on the rows that see keys: within the error the
+  accuracy study measured."""
   ref, _ = attention_over(inputs, rows)
-  seen = np.isfinite(ref)
-  error = np.max(np.abs(out[seen] - ref[seen])) / np.max(np.abs(ref[seen]))
-  assert 0 < error <= FP8_RELATIVE_ERROR, error
+  seen = np.any(ref != 0, axis=-1)
+  error = out[seen] - ref[seen]
+  largest = np.max(np.abs(error)) / np.max(np.abs(ref[seen]))
+  rms = np.sqrt(np.mean(error ** 2) / np.mean(ref[seen] ** 2))
+  assert 0 < largest <= FP8_MAX_ERROR and rms <= FP8_RMS_ERROR, (largest, rms)
 
 
 @pytest.mark.parametrize("heads", [64, 128])
