@@ -375,11 +375,12 @@ class AttentionTestBase(SinksSpec):  # attention sinks: tests/attention_sinks.py
         return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
       return f
 
-    got = jax.grad(loss(self.implementation), (0, 1, 2))(q, k, v)
+    grad = lambda impl: jax.jit(jax.grad(loss(impl), (0, 1, 2)))  # one program, not op by op
+    got = grad(self.implementation)(q, k, v)
     with jax.enable_x64(True):
       q64, k64, v64 = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v))
-      ref = jax.grad(loss("xla"), (0, 1, 2))(q64, k64, v64)
-    naive = jax.grad(loss("xla"), (0, 1, 2))(q, k, v)
+      ref = grad("xla")(q64, k64, v64)
+    naive = grad("xla")(q, k, v)
     for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
       numerics.assert_within_tolerance(name, np.asarray(g, np.float32), r,
                                        np.asarray(n, np.float32), self.dtypes[0])

@@ -53,6 +53,18 @@ class TestCpu(AttentionTestBase):
   def test_packed_documents(self):
     super().test_packed_documents(True)
 
+  # NaN semantics and sinks: a few cases here, every case in TestCpuSweep.
+  @pytest.mark.parametrize("case", ["past-lengths", "other-documents", "outside-window"])
+  def test_masked_nan_and_inf_never_reach_results(self, case, nan_semantics):
+    super().test_masked_nan_and_inf_never_reach_results(case, nan_semantics)
+
+  @pytest.mark.parametrize("where", ["k", "v-inf"])
+  def test_visible_nan_and_inf_propagate(self, where, nan_semantics):
+    super().test_visible_nan_and_inf_propagate(where, nan_semantics)
+
+  def test_sinks_match_reference(self):
+    super().test_sinks_match_reference("causal-gqa")
+
 
 # Cases of the specification that the quick suite leaves to TestCpuSweep:
 # longer sequences, every head dim, more of the same masks.
