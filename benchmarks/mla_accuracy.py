@@ -213,7 +213,17 @@ def row(kind, scheme, batch, seq_k, s_q, heads, result):
           "batch": batch, "seq_q": s_q, "seq_k": seq_k, "heads_q": heads, "heads_kv": 1,
           "head_dim": WIDTH, "head_dim_v": LATENT, "causal": True, "window": None,
           "variant": scheme, "tflops": None, "ms": None, "gbps": None, "inputs": kind,
-          **{k: round(v, 6 if "error" in k or "kl" in k else 3) for k, v in result.items()}}
+          **{k: float(f"{v:.4g}") for k, v in result.items()}}
+
+
+def processor_name() -> str:
+  try:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("model name"):
+        return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return jax.devices("cpu")[0].device_kind
 
 
 def main(argv=None) -> int:
@@ -245,7 +255,7 @@ def main(argv=None) -> int:
   if args.out:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or None
-    run = {"gpu": "cpu", "cpu": jax.devices("cpu")[0].device_kind, "jax": jax.__version__,
+    run = {"gpu": "cpu", "cpu": processor_name(), "jax": jax.__version__,
            "date": datetime.date.today().isoformat(), "commit": commit,
            "command": "python benchmarks/mla_accuracy.py " + " ".join(
                sys.argv[1:] if argv is None else argv),

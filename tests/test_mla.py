@@ -7,6 +7,9 @@ Every check runs the XLA composition (the only implementation so far);
 the Hopper kernels will run the same checks with implementation="flash"."""
 
 import functools
+import json
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -504,3 +507,28 @@ def test_errors():
                         inputs["cache_lengths"])
   with pytest.raises(ValueError, match="kv_dtype must be bfloat16, float16 or float8_e4m3fn"):
     mla.empty_mla_cache(4, jnp.float32)
+
+
+@pytest.mark.slow
+def test_benchmark_scripts_run_on_cpu(tmp_path):
+  """benchmarks/bench_mla.py --cpu-sizes and mla_accuracy.py at tiny sizes
+  write their rows (nothing here judges a time); with latents 3e-3 beside
+  RoPE up to 1e3 the RoPE-aware scheme beats the naive one."""
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+  import bench_mla
+  import mla_accuracy
+  out = tmp_path / "bench.json"
+  assert bench_mla.main(["--cpu-sizes", "--seqs", "70", "--s-qs", "2", "--out", str(out)]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert {(r["impl"], r["variant"], r["kv_dtype"]) for r in rows} == {
+      ("jax_flash", "xla", "bfloat16"), ("xla", "gather", "bfloat16"),
+      ("xla", "contiguous", "bfloat16"), ("jax_flash", "xla", "float8_e4m3fn"),
+      ("xla", "gather", "float8_e4m3fn")}
+  assert all(r["op"] == "mla_decode" and r["seq_k"] == 70 and r["tflops"] > 0 for r in rows)
+  out = tmp_path / "accuracy.json"
+  assert mla_accuracy.main(["--batch", "1", "--seq-k", "200", "--inputs", "outliers-0.003",
+                            "--out", str(out)]) == 0
+  rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+  assert set(rows) == set(mla_accuracy.SCHEMES)
+  assert (rows["fp8_rope_aware_dequantized"]["out_max_error"]
+          < rows["fp8_naive_dequantized"]["out_max_error"] / 2)
