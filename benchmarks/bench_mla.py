@@ -170,7 +170,20 @@ def run(sizes, cpu, ceiling):
                   "matmul_fraction": None if matmul is None else round(matmul, 3),
                   "copy_fraction": round(copy, 3)})
             del args, contiguous
+  print_fp8_speedups(rows)
   return rows
+
+
+def print_fp8_speedups(rows):
+  """jax_flash's FP8 cache against its bfloat16 cache, shape by shape."""
+  times = {(r["kv_dtype"], r["batch"], r["seq_k"], r["seq_q"], r["heads_q"]): r["ms"]
+           for r in rows if r["impl"] == "jax_flash"}
+  for (kv_dtype, *shape), ms in times.items():
+    bf16 = times.get(("bfloat16", *shape))
+    if kv_dtype != "bfloat16" and bf16:
+      batch, seq, s_q, heads = shape
+      print(f"FP8 / bfloat16 throughput, B {batch} S {seq} s_q {s_q} H {heads}: {bf16 / ms:.2f}x",
+            flush=True)
 
 
 def main(argv=None) -> int:

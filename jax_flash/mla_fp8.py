@@ -157,8 +157,8 @@ def fp8_reference(q, cache: MlaFp8Cache, page_table, cache_lengths, query_length
   where ``sp_j`` is the requantisation scale of row ``P * sk`` over key
   block ``j`` (``requantize_blocks``). The kernel carries ``sp_j`` in its
   online softmax: the per-block scale is scale invariant, so quantising
-  against the running maximum gives the same codes as against the final
-  one. The products here run in float32 (the kernel's order and its FP8
+  against the running maximum gives the codes of the final one, up to
+  float32 rounding. The products here run in float32 (the kernel's order and its FP8
   tensor cores' accumulation differ at float32 rounding).
   ``requantize_p=False`` keeps ``P`` in float32 and multiplies it by the
   dequantised latent: the error of the cache's (and queries') quantisation
