@@ -43,9 +43,10 @@ struct PagedSequence {
     g.diag_offset = kv_len - q_len + shared.diag_offset;
   }
 
-  // Calls fn(first key, count, page row of the first key or nullptr) for each
-  // run of keys [j0, j1) that lies in one page, in order. A page id outside
-  // the pool gives nullptr: its keys read as zeros.
+  // Calls fn(offset from j0, count, pool row of the first key) for each run
+  // of keys [j0, j1) that lies in one page, in order; the pool row is
+  // page * page_size + row, or -1 for a page id outside the pool, whose keys
+  // read as zeros.
   template <class Fn>
   void for_each_page_run(const JfPagedFwdArgs& args, int64_t j0, int64_t j1, const Fn& fn) const {
     const int64_t page_size = args.page_size;
@@ -65,8 +66,8 @@ template <class Codec, int kRows, int kCols, int kMaxDim>
 struct PagedTile {
   using T = typename Codec::Storage;
 
-  // Rows [r0, r0 + kRows) of the block list of sequence b, kv head hk: row r
-  // is query head hk * group + r % group of new token r / group.
+  // Query rows [r0, r0 + kRows) of sequence b's kv head hk, where row r is
+  // query head hk * group + r % group of new token r / group.
   JF_CPU_HOT static void run(const JfPagedFwdArgs& args, const Geometry& shared, int64_t b,
                              int64_t hk, int64_t r0) {
     const PagedSequence seq(args, shared, b);
@@ -121,7 +122,8 @@ struct PagedTile {
         load_rows<Codec>(v_pages + (first_row * g.heads_kv + hk) * dim_v, value_stride, count,
                          count, dim_v, dim_v, v_tile + c0 * dim_v);
       });
-      // The products of columns past the keys are computed but never read.
+      // Columns past the keys: their products are never read, but come from
+      // initialised memory.
       for (int d = 0; d < dim && cols < kCols; ++d) {
         std::fill(kt_tile + d * kCols + cols, kt_tile + (d + 1) * kCols, 0.0f);
       }
