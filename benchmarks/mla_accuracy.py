@@ -245,8 +245,8 @@ def main(argv=None) -> int:
       results = measure(kind, rng, args.batch, seq_k, args.s_q, args.heads)
       for scheme, result in results.items():
         print(f"{kind:<14}{seq_k:>6}  {scheme:<28}{result['out_max_error']:9.4f}"
-              f"{result['out_rms_error']:9.4f}{result['p_kl_mean']:10.2e}{result['p_kl_max']:10.2e}",
-              flush=True)
+              f"{result['out_rms_error']:9.4f}{result['p_kl_mean']:10.2e}"
+              f"{result['p_kl_max']:10.2e}", flush=True)
         rows.append(row(kind, scheme, args.batch, seq_k, args.s_q, args.heads, result))
       ratio = (results["fp8_rope_aware_dequantized"]["out_max_error"]
                / results["fp8_naive_dequantized"]["out_max_error"])

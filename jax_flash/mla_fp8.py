@@ -55,7 +55,7 @@ class MlaFp8Cache(NamedTuple):
   Attributes:
     latent: float8_e4m3fn ``[num_pages, 64, 512]``, the latent divided by
       its scale.
-    scales: float32 ``[num_pages, 64]``, each token's ``amax / 448`` (1 for
+    scales: float32 ``[num_pages, 64]``, each token's ``amax * (1 / 448)`` (1 for
       an all-zero latent).
     rope: bfloat16 ``[num_pages, 64, 64]``, the RoPE columns unscaled.
   """
@@ -158,8 +158,8 @@ def fp8_reference(q, cache: MlaFp8Cache, page_table, cache_lengths, query_length
   block ``j`` (``requantize_blocks``). The kernel carries ``sp_j`` in its
   online softmax: the per-block scale is scale invariant, so quantising
   against the running maximum gives the codes of the final one, up to
-  float32 rounding. The products here run in float32 (the kernel's order and its FP8
-  tensor cores' accumulation differ at float32 rounding).
+  float32 rounding. The products here run in float32 (the kernel's order
+  and its FP8 tensor cores' accumulation differ at float32 rounding).
   ``requantize_p=False`` keeps ``P`` in float32 and multiplies it by the
   dequantised latent: the error of the cache's (and queries') quantisation
   alone.
@@ -219,9 +219,10 @@ def write_token_rows(pools, rows, page_table, cache_lengths, query_lengths):
 
   A row goes to write_paged_cache as groups of 32 columns (its "heads"):
   XLA:CPU copies a pool around its scatter when the pool has an axis of
-  one, which one kv head would give. A single pool goes as both halves of
-  write_paged_cache's (k, v) pair, and under jit XLA drops the unused
-  second write."""
+  one, which one kv head would give (the scales, one value per token, go
+  as one head of one: their copy is 1/161 of the FP8 cache). A single pool
+  goes as both halves of write_paged_cache's (k, v) pair, and under jit XLA
+  drops the unused second write."""
   def as_heads(x, lead):
     tail = x.shape[lead:]
     return x.reshape(*x.shape[:lead], *((tail[0] // _WRITE_GROUP, _WRITE_GROUP) if tail

@@ -257,7 +257,8 @@ def test_quantize_latent():
   big = np.abs(rows[:, :LATENT]) > 2 ** -6 * np.max(np.abs(rows[:, :LATENT]), 1, keepdims=True)
   error = np.abs(np.asarray(mla_fp8.dequantize_latent(codes, scales, rope))[:, :LATENT]
                  - rows[:, :LATENT])
-  assert np.all(error[big] <= 2 ** -4 * 1.0001 * np.abs(rows[:, :LATENT][big]))  # e4m3's unit roundoff on normal codes
+  # e4m3's unit roundoff on normal codes
+  assert np.all(error[big] <= 2 ** -4 * 1.0001 * np.abs(rows[:, :LATENT][big]))
 
 
 def test_requantize_blocks_scale_per_block():
@@ -484,7 +485,8 @@ def test_errors():
     call(cache=[1, 2])
   with pytest.raises(ValueError, match="q must be bfloat16 with an FP8 cache"):
     call(fp8_inputs, q=fp8_inputs["q"].astype(jnp.float16))
-  with pytest.raises(ValueError, match=r"cache.latent must have shape \(5, 64, 512\) \[num_pages, page_size, width\], got \(5, 64, 500\)"):
+  with pytest.raises(ValueError, match=r"cache.latent must have shape \(5, 64, 512\) \[num_pages, "
+                                       r"page_size, width\], got \(5, 64, 500\)"):
     call(fp8_inputs, cache=fp8_cache._replace(latent=fp8_cache.latent[..., :500]))
   with pytest.raises(ValueError, match="cache.rope must be bfloat16, got float16"):
     call(fp8_inputs, cache=fp8_cache._replace(rope=fp8_cache.rope.astype(jnp.float16)))
