@@ -424,8 +424,10 @@ def test_decode_step_writes_the_donated_cache_in_place(kv_dtype):
     assert memory.temp_size_in_bytes < cache_bytes // 10
 
 
-@pytest.mark.parametrize("axes", ["auto", "explicit"])
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("fp8, axes", [
+    pytest.param(False, "auto", id="bf16-auto"), pytest.param(True, "explicit", id="fp8-explicit"),
+    pytest.param(False, "explicit", id="bf16-explicit", marks=pytest.mark.slow),
+    pytest.param(True, "auto", id="fp8-auto", marks=pytest.mark.slow)])
 def test_tensor_parallel_heads(fp8, axes):
   """128 heads over 8 devices under plain jit, the cache replicated: no
   collective in the compiled program, and each device's 16 heads get the
