@@ -583,8 +583,8 @@ def test_second_order_gradients_of_xla():
   mask = dict(scale=0.3, diag_offset=0, window_left=-1, window_right=0)
   attend = lambda q: jax_flash.attention(q, k, v, causal=True, scale=0.3, implementation="xla")
   plain = lambda q: reference.attention_reference(q, k, v, **mask)[0]
-  second = lambda f: jax.grad(lambda q: jnp.sum(jnp.sin(jax.grad(
-      lambda q: jnp.sum(f(q) ** 2))(q))))(q)
+  second = lambda f: jax.jit(jax.grad(lambda q: jnp.sum(jnp.sin(jax.grad(
+      lambda q: jnp.sum(f(q) ** 2))(q)))))(q)
   # float32 products on GPUs too: with TF32 the two orders of the same sums
   # differed by 5e-3 relative (H200).
   with jax.default_matmul_precision("float32"):

@@ -172,6 +172,7 @@ def test_a_batch_dependent_sampler_is_caught(params, monkeypatch):
   assert result["distinct_completions"] > 1, result
 
 
+@pytest.mark.slow
 def test_tensor_parallel_over_8_devices(params, engines):
   if len(jax.devices()) < 8:
     pytest.skip(f"needs 8 devices, {jax.default_backend()} has {len(jax.devices())}")
@@ -192,6 +193,7 @@ TINY_CLI = ["--cpu-sizes", "--layers", "1", "--width", "32", "--mlp", "64", "--r
             "--tp", "1", "--no-progress"]
 
 
+@pytest.mark.slow
 def test_serve_mode_writes_a_results_row(tmp_path, capsys):
   from jax_flash import benchmark
   results = tmp_path / "cpu-serve.json"

@@ -257,6 +257,7 @@ def test_ring_attention_segment_ids(case):
   check_ring(layout, q, k, v, dout, segment_ids=ids, **config)
 
 
+@pytest.mark.slow
 def test_ring_attention_cross_segment_ids():
   # A (q, kv) pair of different lengths; q's 6 padding tokens (id -1) match no
   # key in any block: zero output, -inf lse, zero dq.
@@ -268,6 +269,7 @@ def test_ring_attention_cross_segment_ids():
   assert np.all(np.isneginf(np.asarray(lse)[:, :, -6:]))
 
 
+@pytest.mark.slow
 def test_ring_documents_are_independent():
   # Changing every token of one document leaves the outputs and gradients of
   # the other documents bitwise unchanged, through the ring and its merges.
@@ -344,6 +346,7 @@ def test_zigzag_round_trip():
   np.testing.assert_array_equal(jax_flash.from_zigzag(z, 4), x)
 
 
+@pytest.mark.slow
 def test_multi_host_recipe_on_one_host():
   # The README's multi-host program, run by one process over its 8 devices:
   # explicitly sharded arrays in zigzag order, the output compared in order.
