@@ -159,6 +159,14 @@ def test_measurements_add_the_softcap_variant_last():
   assert plan[-1][2] == {"softcap": 50.0}
 
 
+def test_measurements_add_the_sinks_variant_last():
+  plan = bench_attention.measurements(["jax_flash", "cudnn"], deterministic=False, label="alt",
+                                      sinks=True)
+  assert [(impl, variant) for impl, variant, _ in plan] == [
+      ("cudnn", ""), ("jax_flash", "alt"), ("jax_flash", "alt-sinks")]
+  assert plan[-1][2] == {"sinks": True}
+
+
 def test_measured_line_prints_ratios_and_dashes():
   config = benchmark.Config(2, 8192, 16, 128, False)
   anchor = fake_result(fwd_ms=2.0, bwd_ms=4.0)
