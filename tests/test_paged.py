@@ -638,6 +638,8 @@ def test_partitioning_of_split_outputs():
   run = jax.jit(sharding.paged_partitioned(stand_in, splits))
   placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
   (out, lse), (want_out, want_lse) = run(*placed), stand_in(*args)
+  for got, want in zip(run(*args), (want_out, want_lse)):  # unsharded, on one device
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
   np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
   assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("dp", None, "tp")), 4)
