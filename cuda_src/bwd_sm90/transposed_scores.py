@@ -18,11 +18,15 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Uint32
 
-from common.dsl_common import capped_score_slope
+from common.dsl_common import WARP_SIZE, capped_score_slope
+from common.nonfinite import is_nonfinite
 
 LOG2E = math.log2(math.e)
+NAN = float("nan")
+HIDDEN = -0.0  # zero_hidden_pairs' mark of a hidden pair (exp2 never gives it)
+HIDDEN_BITS = 0x80000000
 
 
 PAIR_COLUMNS = 64  # columns whose statistics one pair per lane covers
@@ -48,6 +52,22 @@ def lse_to_log2(lse):
     if lse == -Float32.inf:
         lse_log2 = Float32.inf
     return lse_log2
+
+
+@cute.jit
+def flag_nonfinite_stats(sStats, nan_flags, stage, lane):
+    """The stats warp, once it staged a query tile's statistics: nan_flags
+    [stage] = whether a row's lse * log2 e or delta is not finite (read back
+    after the staging loop, which stays as it was: the warp has 24
+    registers)."""
+    rows = cute.size(sStats, mode=[0])
+    found = False
+    for i in cutlass.range_constexpr((rows + WARP_SIZE - 1) // WARP_SIZE):
+        row = cutlass.min(i * WARP_SIZE + lane, rows - 1)
+        found = found or is_nonfinite(sStats[row, 0, stage]) or is_nonfinite(sStats[row, 1, stage])
+    found = cute.arch.vote_any_sync(found)
+    if lane == 0:
+        nan_flags[stage] = Int32(1) if found else Int32(0)
 
 
 @cute.jit
@@ -106,9 +126,27 @@ def zero_hidden_pairs(acc_mn, tScS, m0, n0, q_len, kv_len, lo, hi, key_seg=None,
             key = tScS[r, c][0]
             if cutlass.const_expr(key_seg is not None):
                 if key < key_lo or key >= key_hi or key_seg[r] != query_seg:
-                    acc_mn[r, c] = Float32(0.0)
+                    acc_mn[r, c] = Float32(HIDDEN)
             elif key < key_lo or key >= key_hi:
-                acc_mn[r, c] = Float32(0.0)
+                acc_mn[r, c] = Float32(HIDDEN)
+
+
+@cute.jit
+def zero_where_hidden(dS, P):
+    """dS = 0 where zero_hidden_pairs marked P (-0.0, also in a 16-bit copy):
+    delta or dP may be NaN at a hidden pair. dS and P: fragments of one
+    layout, both fp32 or both 16-bit (then a word holds two values)."""
+    if cutlass.const_expr(P.element_type.width == 32):
+        for i in cutlass.range_constexpr(cute.size(dS)):
+            hidden = P[i].bitcast(Uint32) == Uint32(HIDDEN_BITS)
+            dS[i] = Float32(0.0) if hidden else dS[i]
+    else:
+        dS_words, P_words = cute.recast_tensor(dS, Uint32), cute.recast_tensor(P, Uint32)
+        for i in cutlass.range_constexpr(cute.size(dS_words)):
+            p = P_words[i]
+            low = Uint32(0xFFFF) if p & Uint32(0xFFFF) == Uint32(HIDDEN_BITS >> 16) else Uint32(0)
+            high = Uint32(0xFFFF0000) if p >> Uint32(16) == Uint32(HIDDEN_BITS >> 16) else Uint32(0)
+            dS_words[i] = dS_words[i] & (Uint32(0xFFFFFFFF) ^ (low | high))
 
 
 class QueryStats:

@@ -74,19 +74,6 @@ def barrier_any(flag: Int32, barrier_id: Int32, threads: Int32, *, loc=None, ip=
     )
 
 
-@dsl_user_op
-def opaque_zero(*, loc=None, ip=None) -> Int32:
-    """0, from an instruction the compiler may not move. Added to the
-    indices of code that runs only where a NaN or Inf is (or on partial
-    tiles), it keeps the compiler from computing their addresses once
-    before the kernel's main loop, which would hold them in registers
-    through it."""
-    return Int32(
-        llvm.inline_asm(T.i32(), [], "mov.u32 $0, 0;", "=r", has_side_effects=True,
-                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    )
-
-
 def vector_copy(dtype, tile_shape, threads: int) -> cute.TiledCopy:
     """`threads` threads walking a (contiguous, rows) shared tile 16 bytes at
     a time: neighbouring threads take neighbouring vectors along mode 0 (the
@@ -152,3 +139,21 @@ def zero_nonfinite(tile, tiled_copy, tidx, rows_valid, dtype: cutlass.Constexpr)
         for k in cutlass.range_constexpr(cute.size(words)):
             words[k] = finite_halves(words[k], dtype) if keep else Uint32(0)
         cute.autovec_copy(frag, vectors[None, v])
+
+
+@cute.jit
+def zero_nonfinite_everywhere(tile, tidx, threads: cutlass.Constexpr, dtype: cutlass.Constexpr):
+    """Zero the NaN and Inf values of a whole shared tile, `threads` threads
+    taking its 16-byte vectors in turn. Every value is visited, so the
+    vectors are taken in memory order, the swizzle that maps the tile's
+    coordinates onto them ignored: no index arithmetic beyond a pointer."""
+    per_vec = VECTOR_BITS // WORD_BITS
+    vectors = cute.cosize(tile.layout) * dtype.width // VECTOR_BITS
+    words = cute.make_tensor(cute.recast_ptr(tile.iterator, swizzle_=None, dtype=Uint32),
+                             cute.make_layout((per_vec, vectors)))
+    for v in cutlass.range(tidx, vectors, threads, unroll=1):
+        frag = cute.make_rmem_tensor(per_vec, Uint32)
+        cute.autovec_copy(words[None, v], frag)
+        for k in cutlass.range_constexpr(per_vec):
+            frag[k] = finite_halves(frag[k], dtype)
+        cute.autovec_copy(frag, words[None, v])
