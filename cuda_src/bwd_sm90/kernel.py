@@ -64,6 +64,7 @@ from common.dsl_common import (
     cap_scores, cap_scores_with_slope, logit_scales, query_tile_of, rotated_order, row_store_tile,
     segment_bounds_union, store_existing_rows, wgmma_acc_as_rows_cols,
 )
+from common.hidden_pairs import zero_where_hidden
 from dq_handoff import DqHandOff
 from nan_guard import (
     check_keys, force_bad_keys, poison_bad_delta_rows, query_rows_flagged, zero_query_stage,
@@ -73,7 +74,7 @@ from staggered import StaggeredConsumers, staggered_dq_layout
 from tile_config import TILE_CONFIGS, TileConfig
 from transposed_scores import (
     QueryStats, load_query_stats, lse_to_log2, own_query_column, probabilities_in_place,
-    score_gradients_in_place, stat_pairs, warp_sees_several_ids, zero_hidden_pairs, zero_where_hidden,
+    score_gradients_in_place, stat_pairs, warp_sees_several_ids, zero_hidden_pairs,
 )
 from wgmma_views import (
     WGMMA_M, as_operand_a, dq_tile_layout, issue_wgmma, key_rows_mma, smem_tile_layout, stage_accumulator,

@@ -13,7 +13,7 @@ tiles (every pair visible) need nothing more.
   treats every tile as partial. V needs nothing: dP = dO V^T at a hidden
   pair is only ever multiplied by a zero P through the select below, and
   a NaN in V reaches the rows that see it through their delta.
-- dS: zero where P is hidden (transposed_scores.zero_where_hidden, reading
+- dS: zero where P is hidden (common/hidden_pairs.zero_where_hidden, reading
   the -0.0 mark zero_hidden_pairs leaves), whatever dP - delta is.
 - Q and dO: a query row whose q or dO holds a NaN or Inf has a lse or
   delta that is not finite. So a partial tile checks its rows'

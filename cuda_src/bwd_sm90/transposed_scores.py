@@ -18,15 +18,13 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32
 
 from common.dsl_common import WARP_SIZE, capped_score_slope
+from common.hidden_pairs import HIDDEN
 from common.nonfinite import is_nonfinite
 
 LOG2E = math.log2(math.e)
-NAN = float("nan")
-HIDDEN = -0.0  # zero_hidden_pairs' mark of a hidden pair (exp2 never gives it)
-HIDDEN_BITS = 0x80000000
 
 
 PAIR_COLUMNS = 64  # columns whose statistics one pair per lane covers
@@ -129,24 +127,6 @@ def zero_hidden_pairs(acc_mn, tScS, m0, n0, q_len, kv_len, lo, hi, key_seg=None,
                     acc_mn[r, c] = Float32(HIDDEN)
             elif key < key_lo or key >= key_hi:
                 acc_mn[r, c] = Float32(HIDDEN)
-
-
-@cute.jit
-def zero_where_hidden(dS, P):
-    """dS = 0 where zero_hidden_pairs marked P (-0.0, also in a 16-bit copy):
-    delta or dP may be NaN at a hidden pair. dS and P: fragments of one
-    layout, both fp32 or both 16-bit (then a word holds two values)."""
-    if cutlass.const_expr(P.element_type.width == 32):
-        for i in cutlass.range_constexpr(cute.size(dS)):
-            hidden = P[i].bitcast(Uint32) == Uint32(HIDDEN_BITS)
-            dS[i] = Float32(0.0) if hidden else dS[i]
-    else:
-        dS_words, P_words = cute.recast_tensor(dS, Uint32), cute.recast_tensor(P, Uint32)
-        for i in cutlass.range_constexpr(cute.size(dS_words)):
-            p = P_words[i]
-            low = Uint32(0xFFFF) if p & Uint32(0xFFFF) == Uint32(HIDDEN_BITS >> 16) else Uint32(0)
-            high = Uint32(0xFFFF0000) if p >> Uint32(16) == Uint32(HIDDEN_BITS >> 16) else Uint32(0)
-            dS_words[i] = dS_words[i] & (Uint32(0xFFFFFFFF) ^ (low | high))
 
 
 class QueryStats:

@@ -111,9 +111,11 @@ def _load_words(vector):
 
 
 @cute.jit
-def any_nonfinite(tile, tiled_copy, tidx, rows_valid, dtype: cutlass.Constexpr) -> Int32:
-    """Nonzero if one of this thread's vectors of tile (vector_copy) in a row
-    below rows_valid holds a NaN or Inf. A vector at a time (a loop, not
+def any_nonfinite(tile, tiled_copy, tidx, rows_valid, dtype: cutlass.Constexpr,
+                  row_mode: cutlass.Constexpr = 1) -> Int32:
+    """Nonzero if one of this thread's vectors of tile (vector_copy, or any
+    tiled copy of 16-byte vectors) in a row below rows_valid (rows: tile's
+    mode row_mode) holds a NaN or Inf. A vector at a time (a loop, not
     unrolled): the callers run it beside their accumulators."""
     vectors, coords = _thread_vectors(tile, tiled_copy, tidx)
     bits, low = _exponent(dtype)
@@ -121,21 +123,23 @@ def any_nonfinite(tile, tiled_copy, tidx, rows_valid, dtype: cutlass.Constexpr) 
     sums = Uint32(0)
     for v in cutlass.range(cute.size(vectors, mode=[1]), unroll=1):
         _, words = _load_words(vectors[None, v])
-        if coords[0, v][1] < rows_valid:
+        if coords[0, v][row_mode] < rows_valid:
             for k in cutlass.range_constexpr(cute.size(words)):
                 sums = sums | ((words[k] & Uint32(bits | bits << 16)) + Uint32(low | low << 16))
     return Int32((sums & Uint32(HALF_TOP_BITS)) != Uint32(0))
 
 
 @cute.jit
-def zero_nonfinite(tile, tiled_copy, tidx, rows_valid, dtype: cutlass.Constexpr):
-    """Zero this thread's vectors of tile in rows from rows_valid on and the
-    NaN and Inf values of the others, a vector at a time. The caller makes
-    the stores visible (to the async proxy, to other threads)."""
+def zero_nonfinite(tile, tiled_copy, tidx, rows_valid, dtype: cutlass.Constexpr,
+                   row_mode: cutlass.Constexpr = 1):
+    """Zero this thread's vectors of tile (as in any_nonfinite) in rows from
+    rows_valid on and the NaN and Inf values of the others, a vector at a
+    time. The caller makes the stores visible (to the async proxy, to other
+    threads)."""
     vectors, coords = _thread_vectors(tile, tiled_copy, tidx)
     for v in cutlass.range(cute.size(vectors, mode=[1]), unroll=1):
         frag, words = _load_words(vectors[None, v])
-        keep = coords[0, v][1] < rows_valid
+        keep = coords[0, v][row_mode] < rows_valid
         for k in cutlass.range_constexpr(cute.size(words)):
             words[k] = finite_halves(words[k], dtype) if keep else Uint32(0)
         cute.autovec_copy(frag, vectors[None, v])
@@ -157,3 +161,4 @@ def zero_nonfinite_everywhere(tile, tidx, threads: cutlass.Constexpr, dtype: cut
         for k in cutlass.range_constexpr(per_vec):
             frag[k] = finite_halves(frag[k], dtype)
         cute.autovec_copy(frag, words[None, v])
+

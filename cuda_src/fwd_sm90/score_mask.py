@@ -6,7 +6,9 @@ variant)."""
 import cutlass
 import cutlass.cute as cute
 
-from segment_ids import MIXED, lane_tile_ids, same_segment, same_segment_masks
+from common.seen_values import visible_columns
+from common.segment_tiles import MIXED
+from segment_ids import lane_tile_ids, same_segment, same_segment_masks
 
 
 @cute.jit
@@ -35,7 +37,7 @@ def mask_tile(
     """Masks one S tile. Tiles in [full_lo, full_hi) are visible to every row
     as far as lengths, diagonal and window go. For the packed-document variant
     (row_seg given), a tile whose keys all belong to one document (tile_id,
-    segment_ids.segment_key) only masks the rows of other documents; any
+    common/segment_tiles.segment_key) only masks the rows of other documents; any
     other tile compares ids element by element."""
     n_start = n_block * tile_n
     if cutlass.const_expr(row_seg is not None):
@@ -53,21 +55,6 @@ def mask_tile(
     elif n_block < full_lo or n_block >= full_hi:
         apply_mask(acc_S_mn, tScS, row_start, n_start, q_len, kv_len,
                    diag_offset, window_left, window_right)
-
-
-@cute.jit
-def visible_columns(row, q_len, kv_len, diag_offset, window_left, window_right):
-    """[col_lo, col_hi): the columns row `row` sees as far as lengths,
-    diagonal and window go (kernel_api.h); empty past q_len."""
-    col_lo = cutlass.Int32(0)
-    if window_left >= 0:
-        col_lo = row + diag_offset - window_left
-    col_hi = kv_len
-    if window_right >= 0:
-        col_hi = cutlass.min(row + diag_offset + window_right + 1, kv_len)
-    if row >= q_len:
-        col_hi = cutlass.Int32(0)
-    return col_lo, col_hi
 
 
 @cute.jit

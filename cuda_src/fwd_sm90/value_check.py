@@ -15,75 +15,13 @@ warpgroups share the V stage, and the turns go round them in order
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint32
+from cutlass import Int32
 
 from common.dsl_common import INT32_MAX
-from common.nonfinite import (
-    WORD_BITS, any_nonfinite, barrier_any, is_nonfinite, vector_copy, zero_nonfinite,
-)
+from common.nonfinite import any_nonfinite, barrier_any, vector_copy, zero_nonfinite
+from common.seen_values import RowMask, poison_seen_columns
 from consumer_turns import WG_THREADS
-from score_mask import visible_columns
-from segment_ids import MIXED, segment_key
-
-NAN = float("nan")
-
-
-class RowMask:
-    """What decides which keys a warpgroup's rows see: its first row, the
-    mask of kernel_api.h, and with packed documents the rows' segment ids
-    (row_seg, one per accumulator row of the thread) and mKVSeg."""
-
-    def __init__(self, row_start, q_len, kv_len, diag_offset, window_left, window_right,
-                 row_seg=None, mKVSeg=None, batch=None):
-        self.row_start = row_start
-        self.bounds = (q_len, kv_len, diag_offset, window_left, window_right)
-        self.row_seg = row_seg
-        self.mKVSeg = mKVSeg
-        self.batch = batch
-
-
-@cute.jit
-def poison_seen_columns(acc_O_mn, tOcO, sV_tile, n_start, rows_valid, mask: RowMask):
-    """acc_O[r, c] = NaN where row r sees a key of this tile (sV_tile, the
-    (head_dim_v, keys) stage) whose value in column c is NaN or Inf. Slow
-    (a value at a time, in loops that keep few registers: this runs beside
-    the accumulators), for the tiles that hold one."""
-    num_rows = cute.size(acc_O_mn, mode=[0])
-    num_cols = cute.size(acc_O_mn, mode=[1])
-    words = (num_cols + WORD_BITS - 1) // WORD_BITS
-    key_lo = cute.make_rmem_tensor(num_rows, Int32)
-    key_hi = cute.make_rmem_tensor(num_rows, Int32)
-    # Bit c % 32 of word c // 32 of row r: column c of row r turns NaN.
-    poisoned = cute.make_rmem_tensor(num_rows * words, Uint32)
-    poisoned.fill(0)
-    for r in cutlass.range_constexpr(num_rows):
-        col_lo, col_hi = visible_columns(mask.row_start + tOcO[r, 0][0], *mask.bounds)
-        key_lo[r] = col_lo - n_start
-        key_hi[r] = col_hi - n_start
-    for j in cutlass.range(rows_valid, unroll=1):
-        key_seg = Int32(0)
-        if cutlass.const_expr(mask.row_seg is not None):
-            key_seg = mask.mKVSeg[mask.batch, n_start + j]
-        sees = []
-        seen_here = False
-        for r in cutlass.range_constexpr(num_rows):
-            seen = j >= key_lo[r] and j < key_hi[r]
-            if cutlass.const_expr(mask.row_seg is not None):
-                seen = seen and mask.row_seg[r] == key_seg
-            sees.append(seen)
-            seen_here = seen_here or seen
-        if seen_here:
-            for c in cutlass.range(num_cols, unroll=1):
-                bad = is_nonfinite(Float32(sV_tile[tOcO[0, c][1], j]))
-                bit = Uint32(1) << Uint32(c % WORD_BITS)
-                for r in cutlass.range_constexpr(num_rows):
-                    for w in cutlass.range_constexpr(words):
-                        if bad and sees[r] and c // WORD_BITS == w:
-                            poisoned[r * words + w] = poisoned[r * words + w] | bit
-    for r in cutlass.range_constexpr(num_rows):
-        for c in cutlass.range_constexpr(num_cols):
-            hit = (poisoned[r * words + c // WORD_BITS] >> Uint32(c % WORD_BITS)) & Uint32(1)
-            acc_O_mn[r, c] = Float32(NAN) if hit != Uint32(0) else acc_O_mn[r, c]
+from common.segment_tiles import MIXED, segment_key
 
 
 class ValueChecks:
