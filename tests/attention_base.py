@@ -73,15 +73,17 @@ def poison(x, rows, seed):
   return jnp.where(jnp.asarray(rows)[:, :, None, None], jnp.asarray(pick, x.dtype), x)
 
 
-def assert_unaffected_equal(clean, poisoned, visible, bad_q, bad_k):
+def assert_unaffected_equal(clean, poisoned, visible, bad_q, bad_k, dq_exact=True):
   """The results that no poisoned position may reach equal the clean run's.
 
   ``bad_q`` [B, T]: query rows whose q and dout were poisoned; ``bad_k``
   [B, S]: key rows whose k and v were. A query row is reached when it is
   poisoned and sees a key, or sees a poisoned key; a key row when a reached
   row sees it, or it is poisoned and some row sees it. Every other entry of
-  out, lse, dq, dk and dv must be bitwise what it was. Returns the reached
-  query rows.
+  out, lse, dq, dk and dv must be bitwise what it was; dq only up to its
+  rounding where not dq_exact (a backward that adds it with atomics, in an
+  order that differs run to run), its NaN and Inf still exactly. Returns
+  the reached query rows.
   """
   sees_any = visible.any(axis=2)
   reached_q = (bad_q & sees_any) | (visible & bad_k[:, None, :]).any(axis=2)
@@ -92,7 +94,11 @@ def assert_unaffected_equal(clean, poisoned, visible, bad_q, bad_k):
   for name, a, b, keep in (("out", out, p_out, keep_q), ("dq", dq, p_dq, keep_q),
                            ("lse", np.swapaxes(lse, 1, 2), np.swapaxes(p_lse, 1, 2), keep_q),
                            ("dk", dk, p_dk, keep_k), ("dv", dv, p_dv, keep_k)):
-    np.testing.assert_array_equal(b[keep], a[keep], err_msg=f"{name}: a masked NaN / Inf leaked")
+    if name == "dq" and not dq_exact:
+      np.testing.assert_allclose(b[keep], a[keep], rtol=1e-2, atol=1e-3,
+                                 err_msg=f"{name}: a masked NaN / Inf leaked")
+    else:
+      np.testing.assert_array_equal(b[keep], a[keep], err_msg=f"{name}: a masked NaN / Inf leaked")
   return reached_q
 
 
@@ -498,21 +504,16 @@ class AttentionTestBase(SinksSpec):  # attention sinks: tests/attention_sinks.py
   # that see it; nothing a row does not see reaches its out, lse or
   # gradients, nor the gradients of the keys it sees.
 
-  @pytest.fixture
-  def nan_semantics(self, request):
-    if self.implementation == "gpu":
-      request.applymarker(pytest.mark.xfail(
-          reason="issue 45: the GPU kernels do not have the NaN semantics yet", strict=False))
-
   def _poisoned_pair(self, *, batch=2, seq_q=150, seq_k=170, heads_q=4, heads_kv=2,
-                     head_dim=None, bad_q=None, bad_k=None, seed=30, **kwargs):
+                     head_dim=None, dtype=None, bad_q=None, bad_k=None, seed=30, **kwargs):
     """(clean, poisoned results, visibility) of one problem, its bad_q query
     rows (q and dout) and bad_k key rows (k and v) poisoned."""
     head_dim = head_dim or self.head_dims[0]
-    dtype = self.dtypes[0]
+    dtype = dtype or self.dtypes[0]
     q, k, v, dout = numerics.random_qkv(seed, batch, seq_q, seq_k, heads_q, heads_kv, head_dim,
                                         dtype)
-    options = {name: kwargs[name] for name in ("causal", "window", "segment_ids") if name in kwargs}
+    options = {name: kwargs[name] for name in ("causal", "window", "segment_ids", "deterministic")
+               if name in kwargs}
     lengths = dict(query_seq_lengths=kwargs.get("q_lens"),
                    key_value_seq_lengths=kwargs.get("kv_lens"))
     clean = run_attention(q, k, v, dout, self.implementation, **options, **lengths)
@@ -529,7 +530,21 @@ class AttentionTestBase(SinksSpec):  # attention sinks: tests/attention_sinks.py
   @pytest.mark.parametrize("case", ["past-lengths", "decode-past-lengths", "rows-without-keys",
                                     "padding-documents", "other-documents", "outside-window",
                                     "interleaved-documents"])
-  def test_masked_nan_and_inf_never_reach_results(self, case, nan_semantics):
+  def test_masked_nan_and_inf_never_reach_results(self, case):
+    self._check_masked_case(case)
+
+  @pytest.mark.parametrize("case", ["padding-documents", "other-documents", "interleaved-documents"])
+  def test_masked_nan_and_inf_on_the_fallback_kernels(self, case):
+    # The GPU's sm80 kernels also run on Hopper, for what its own do not
+    # serve: float16 packed documents at head dim 128 (forward) and a
+    # deterministic backward with packed documents.
+    if self.implementation != "gpu":
+      pytest.skip("the GPU's sm80 kernels")
+    if jnp.float16 not in self.dtypes or 128 not in self.head_dims:
+      pytest.skip("float16 at head dim 128 is not served here")
+    self._check_masked_case(case, dtype=jnp.float16, head_dim=128, deterministic=True)
+
+  def _check_masked_case(self, case, **options):
     batch, seq_q, seq_k = 2, 150, 170
     bad_q, bad_k = np.zeros((batch, seq_q), bool), np.zeros((batch, seq_k), bool)
     kw = {}
@@ -570,8 +585,9 @@ class AttentionTestBase(SinksSpec):  # attention sinks: tests/attention_sinks.py
       bad_k[:, 80:84] = True
       kw = dict(window=(30, 10))
     clean, poisoned, visible, bad_q, bad_k = self._poisoned_pair(
-        batch=batch, seq_q=seq_q, seq_k=seq_k, bad_q=bad_q, bad_k=bad_k, **kw)
-    reached = assert_unaffected_equal(clean, poisoned, visible, bad_q, bad_k)
+        batch=batch, seq_q=seq_q, seq_k=seq_k, bad_q=bad_q, bad_k=bad_k, **kw, **options)
+    dq_exact = self.deterministic_backward or options.get("deterministic", False)
+    reached = assert_unaffected_equal(clean, poisoned, visible, bad_q, bad_k, dq_exact)
     if case in ("other-documents", "interleaved-documents", "outside-window"):
       assert reached.any() and not reached.all()
       # The rows that see a poisoned position output NaN or Inf.
@@ -580,7 +596,7 @@ class AttentionTestBase(SinksSpec):  # attention sinks: tests/attention_sinks.py
       assert not reached.any()
 
   @pytest.mark.parametrize("where", ["q", "k", "v-inf", "overflow"])
-  def test_visible_nan_and_inf_propagate(self, where, nan_semantics):
+  def test_visible_nan_and_inf_propagate(self, where):
     # One entry poisoned where some rows see it: those rows' outputs are not
     # finite (and their lse NaN for a logit), everything else as it was.
     batch, seq, heads_q, heads_kv = 1, 130, 4, 2

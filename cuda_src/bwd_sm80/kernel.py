@@ -18,6 +18,9 @@ The packed-document variant (has_segments) also requires equal segment ids:
 each CTA narrows its query range to the union of its keys' q_bounds and
 compares ids on every visited tile (the bounds only say where visible
 queries can be, not that every query inside them is visible).
+
+NaN and Inf: nan_guard.py (a tile whose pairs are all visible runs the code
+it ran before).
 """
 
 import math
@@ -45,6 +48,9 @@ from common.dsl_common import (
     store_existing_rows,
     zero_outside_key_window,
 )
+from common.hidden_pairs import HIDDEN, zero_where_hidden
+from common.segment_tiles import MIXED, segment_key
+from nan_guard import check_keys, poison_rows, zero_flagged_stage
 
 LOG2E = math.log2(math.e)
 NUM_THREADS = 256  # 8 warps
@@ -349,13 +355,24 @@ class FlashBwdSm80:
         tdOsdO = gmem_thr.partition_D(sdO)
 
         if n_iters > 0:
-            self._load_rows(gmem_copy_tile, gmem_thr, mK[batch, None, kv_head, None], sK, n_block, seqlen_k, N)
-            self._load_rows(gmem_copy_tile, gmem_thr, mV[batch, None, kv_head, None], sV, n_block, seqlen_k, N)
+            # Zeros past kv_len (nan_guard.py); K and V in a group of their own.
+            self._load_rows(gmem_copy_tile, gmem_thr, mK[batch, None, kv_head, None], sK, n_block, kv_len, N)
+            self._load_rows(gmem_copy_tile, gmem_thr, mV[batch, None, kv_head, None], sV, n_block, kv_len, N)
+            cute.arch.cp_async_commit_group()
             self._load_q_tile(
                 0, m_blocks, m_block_min, deterministic, kv_head, group, batch, 0, mQ, mdO, mLSE, mDelta, sLSE, sDelta,
                 gmem_copy_tile, gmem_thr, gmem_copy_stat, tQcQ, tQsQ, tdOsdO, seqlen_q, tidx,
             )
         cute.arch.cp_async_commit_group()
+        # K's NaN and Inf, once (nan_guard.py); nonzero: every tile partial.
+        # With packed documents, the id of the CTA's keys (MIXED: several).
+        bad_keys = Int32(0)
+        keys_id = Int32(0)
+        if n_iters > 0:
+            cute.arch.cp_async_wait_group(1)
+            bad_keys = check_keys(sK, gmem_copy_tile, tScS, tidx, NUM_THREADS, self.dtype)
+            if cutlass.const_expr(self.has_segments):
+                keys_id = segment_key(mKVSeg, batch, n0, N)
 
         for it in cutlass.range(n_iters, unroll=1):
             stage = it % 2
@@ -396,13 +413,25 @@ class FlashBwdSm80:
             full_tile = (
                 m0 + M <= q_len
                 and n0 + N <= kv_len
+                and bad_keys == 0
                 and n0 - (m0 + M - 1) >= lo
                 and (n0 + N - 1) - m0 <= hi
             )
+            # NaN and Inf (nan_guard.py) on a partial tile, with documents
+            # also on one whose rows or keys carry another id or several (the
+            # same answer in every warp: votes; said so, see check_keys). The
+            # rows' ids read here rather than with row_seg: less spill.
+            partial = not full_tile
             if cutlass.const_expr(self.has_segments):
-                zero_outside_key_window(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi, row_seg, col_seg)
+                mixed = keys_id == MIXED or segment_key(mQSeg, batch, m0, M) != keys_id
+                partial = partial or cute.arch.make_warp_uniform(Int32(mixed)) != 0
+            rows_flagged = Int32(0)
+            if partial:
+                rows_flagged = poison_rows(acc_S_mn, tScS, sLSE, sDelta, stage, bad_keys)
+            if cutlass.const_expr(self.has_segments):
+                zero_outside_key_window(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi, row_seg, col_seg, HIDDEN)
             elif not full_tile:
-                zero_outside_key_window(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi)
+                zero_outside_key_window(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi, value=HIDDEN)
 
             # dP = dO V^T, then dS = P * (dP - delta) in place.
             acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((M, N)), Float32)
@@ -419,9 +448,16 @@ class FlashBwdSm80:
             rP.store(acc_S.load().to(self.dtype))
             rdS = cute.make_fragment_like(acc_dP, self.dtype)
             rdS.store(acc_dP.load().to(self.dtype))
+            if partial:
+                # On the 16-bit copies: the fp32 dS beside P spilled more.
+                zero_where_hidden(rdS, rP)
             cute.copy(r2s_PdS, r2s_PdS.get_slice(tidx).retile(rP), tPsP)
             cute.copy(r2s_PdS, r2s_PdS.get_slice(tidx).retile(rdS), tdSsdS)
-            cute.arch.barrier()
+            if partial:
+                zero_flagged_stage(rows_flagged, sQ[None, None, stage], sdO[None, None, stage], gmem_copy_tile, tidx,
+                                   NUM_THREADS, self.dtype)
+            else:
+                cute.arch.barrier()
 
             self._gemm(mma_dkv, acc_dV, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt[None, None, None, stage], s2r_dkv_A, s2r_dkv_B, tidx)
             self._gemm(mma_dkv, acc_dK, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt[None, None, None, stage], s2r_dkv_A, s2r_dkv_B, tidx)
@@ -486,7 +522,7 @@ class FlashBwdSm80:
 
     @cute.jit
     def _load_rows(self, tiled_copy, thr_copy, mX, sX, block, seqlen, rows: cutlass.Constexpr):
-        """cp.async a (rows, D) tile of a [seqlen, D] tensor; rows past the end become zeros."""
+        """cp.async a (rows, D) tile of a [seqlen, D] tensor; rows from seqlen on become zeros."""
         gX = cute.local_tile(mX, (rows, self.head_dim), (block, 0))
         tXgX = thr_copy.partition_S(gX)
         tXsX = thr_copy.partition_D(sX)

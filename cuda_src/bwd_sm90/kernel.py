@@ -64,6 +64,11 @@ from common.dsl_common import (
     cap_scores, cap_scores_with_slope, logit_scales, query_tile_of, rotated_order, row_store_tile,
     segment_bounds_union, store_existing_rows, wgmma_acc_as_rows_cols,
 )
+from common.hidden_pairs import zero_where_hidden
+from dq_handoff import DqHandOff
+from nan_guard import (
+    check_keys, force_bad_keys, poison_bad_delta_rows, query_rows_flagged, zero_query_stage,
+)
 from shared_storage import dq_tma_atoms, load_tma_atoms, shared_storage, shared_tiles
 from staggered import StaggeredConsumers, staggered_dq_layout
 from tile_config import TILE_CONFIGS, TileConfig
@@ -73,19 +78,19 @@ from transposed_scores import (
 )
 from wgmma_views import (
     WGMMA_M, as_operand_a, dq_tile_layout, issue_wgmma, key_rows_mma, smem_tile_layout, stage_accumulator,
-    store_dq_fragments, tiled_mma, transposed,
+    tiled_mma, transposed,
 )
 from warp_roles import (
-    BAR_STAGE_READ, BAR_EPI, BAR_PDS, BAR_STATS, CONSUMER_REGS, DQ_BAR_THREADS, HALF_BAR_THREADS, DQ_WARP,
+    BAR_EPI, BAR_PDS, BAR_STATS, CONSUMER_REGS, DQ_BAR_THREADS, HALF_BAR_THREADS, DQ_WARP,
     MAX_DQ_WRITERS, STATS_WARP, LOAD_WARP, NUM_MMA_THREADS, NUM_MMA_WG, NUM_THREADS, NUM_WARPS, PRODUCER_REGS,
-    WG_THREADS, ProducerWarps, bar_dq_empty, bar_dq_full, bar_stats_of_wg,
+    WG_THREADS, ProducerWarps, bar_stats_of_wg,
 )
 
 LOG2E = math.log2(math.e)
 SMEM_CAPACITY_SM90 = 227 * 1024
 
 
-class FlashBwdSm90(ProducerWarps, StaggeredConsumers):
+class FlashBwdSm90(ProducerWarps, StaggeredConsumers, DqHandOff):
     """deterministic=True builds the variant that adds dQ in KV-tile order
     (the writer warp waits for each tile's turn). It is a compile-time
     choice, unlike in the sm80 family, so that the plain variant carries no
@@ -141,6 +146,11 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers):
         self.dq_in_tiles = cfg.dq_tile_rows > 0
         assert self.dq_in_tiles != self.dq_transposed
         self.dq_splits_queries = self.dq_transposed and head_dim == WGMMA_M
+        # Where dS meets the mask of hidden pairs (nan_guard.py): in the
+        # 16-bit copies, with dq_transposed at fp16 (in fp32 ptxas serialised
+        # the WGMMAs of the packed-document variant at hd128; at bf16 the
+        # other way round).
+        self.zero_ds_in_16_bits = self.dq_transposed and dtype is cutlass.Float16
         # The consumer WGs out of step (staggered.py); deterministic, a dQ
         # writer warp per WG's half.
         self.staggered = self.dq_transposed
@@ -376,6 +386,7 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers):
         sQ, sdO, sdQ, sStats, sK, sV, sdS, sP = shared_tiles(
             storage, layouts, self.dtype, M, st, self.dq_in_stage, self.dq_in_tiles, self.split_head_dim
         )
+        nan_flags = storage.nan_flags.get_tensor(cute.make_layout(st))
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -387,7 +398,7 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers):
                 )
             if warp_idx == STATS_WARP and cutlass.const_expr(self.stats_warp):
                 self._load_stats(
-                    mLSE, mDelta, sStats, batch, kv_head, group, m_block_min, m_blocks, rotation, n_iters,
+                    mLSE, mDelta, sStats, nan_flags, batch, kv_head, group, m_block_min, m_blocks, rotation, n_iters,
                     seqlen_q,
                 )
             if cutlass.const_expr(self.staggered):
@@ -410,7 +421,7 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers):
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._consume(
-                mLSE, mDelta, sStats, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sP, sdQ, pipe, kv_bar,
+                mLSE, mDelta, sStats, nan_flags, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sP, sdQ, pipe, kv_bar,
                 mma_sdp, mma_dkv, mma_dq, store_dk,
                 scale, scale_log2, softcap_in, lo, hi, n_block, kv_head, batch, group,
                 m_block_min, m_blocks, rotation, n_iters, q_len, kv_len, seqlen_q, seqlen_k, mQSeg, mKVSeg,
@@ -418,7 +429,7 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers):
 
     @cute.jit
     def _consume(
-        self, mLSE, mDelta, sStats, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sP, sdQ, pipe, kv_bar,
+        self, mLSE, mDelta, sStats, nan_flags, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sP, sdQ, pipe, kv_bar,
         mma_sdp, mma_dkv, mma_dq, store_dk,
         scale, scale_log2, softcap_in, lo, hi, n_block, kv_head, batch, group,
         m_block_min, m_blocks, rotation, n_iters, q_len, kv_len, seqlen_q, seqlen_k, mQSeg, mKVSeg,
@@ -506,8 +517,12 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers):
             for r in cutlass.range_constexpr(n_keys):
                 key_seg[r] = mKVSeg[batch, cutlass.min(n0 + tScS[r, 0][0], seqlen_k - 1)]
 
+        # K is loaded once: its NaN and Inf are dealt with once (nan_guard.py).
+        # Nonzero where it held one: then every tile counts as partial.
+        bad_keys = Int32(0)
         if n_iters > 0:
             cute.arch.mbarrier_wait(kv_bar, 0)
+            bad_keys = check_keys(sK, tScS, n0, kv_len, tidx, BAR_EPI, NUM_MMA_THREADS, self.dtype)
         if cutlass.const_expr(self.staggered):
             self._announce_virtual_tile(wg, n_iters)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -586,9 +601,24 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers):
             full_tile = (
                 m0 + M <= q_len
                 and n0 + N <= kv_len
+                and bad_keys == 0
                 and n0 - (m0 + M - 1) >= lo
                 and (n0 + N - 1) - m0 <= hi
             )
+            # NaN and Inf (nan_guard.py): on a partial tile (with documents,
+            # on every tile), before the dV / dK GEMMs.
+            masked = not full_tile
+            if cutlass.const_expr(self.has_segments):
+                masked = tile_differs or not full_tile
+            # (Packed documents with dq_transposed: on every tile, which
+            # keeps ptxas from spilling more at hd128 than without the guard.)
+            guard = True if self.has_segments and self.dq_transposed else masked
+            if guard:
+                force_bad_keys(acc_S_mn, bad_keys)
+                pairs = None if self.stats_warp else (lse_log2_pair, delta_pair)
+                if query_rows_flagged(pairs, nan_flags, stats_stage if self.stats_warp else 0):
+                    zero_query_stage(sQ, sdO, s, lane, self.dtype)
+                    poison_bad_delta_rows(acc_S_mn, stats)
             if cutlass.const_expr(self.has_segments):
                 if tile_differs:
                     zero_hidden_pairs(acc_S_mn, tScS, m0, n0, q_len, kv_len, lo, hi, key_seg, seg_pair, lane)
@@ -618,10 +648,19 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers):
                                      inv_scale_log2)
             if cutlass.const_expr(self.has_softcap and not self.slope_from_probability):
                 acc_dP.store(acc_dP.load() * acc_slope.load())
+            # dS = 0 where P is hidden: delta or dP may be NaN there. With
+            # dq_transposed on the 16-bit copies, made first (the fp32 ones
+            # beside everything else serialised the WGMMAs at fp16 hd128).
+            if cutlass.const_expr(not self.zero_ds_in_16_bits):
+                if masked:
+                    zero_where_hidden(acc_dP, acc_S)
             if cutlass.const_expr(self.dq_transposed):
                 rPt.store(acc_S.load().to(self.dtype))
             rdSt = cute.make_fragment_like(acc_dP, self.dtype)
             rdSt.store(acc_dP.load().to(self.dtype))
+            if cutlass.const_expr(self.zero_ds_in_16_bits):
+                if masked:
+                    zero_where_hidden(rdSt, rPt)
             if cutlass.const_expr(self.staggered):
                 self._wait_ds_buffer_free(it, wg, s)
             cute.copy(r2s_sdp, thr_r2s.retile(rdSt), tdSsdS[None, None, None, s])
@@ -650,33 +689,7 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers):
             if cutlass.const_expr(self.staggered):
                 self._release_ds_buffer(dq_tile, dq_buffer, wg, n_iters)
             acc_dQ.store(acc_dQ.load() * scale)
-            if cutlass.const_expr(self.dq_in_stage):
-                # Over this stage's Q and dO, once no GEMM of either WG reads
-                # them; a writer warp frees the stage after its TMA add.
-                warpgroup.wait_group(0)
-                cute.arch.barrier(barrier_id=BAR_STAGE_READ, number_of_threads=NUM_MMA_THREADS)
-                if cutlass.const_expr(self.dq_in_tiles):
-                    store_dq_fragments(acc_dQ, sdQ[None, None, s].iterator, wg, dq_warp, lane)
-                else:
-                    cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQsdQ[None, None, None, s])
-            else:
-                # To shared memory, for the writer warps' TMA add, once the
-                # writer of the previous tile (staggered: this WG's half of
-                # it) has read that one.
-                if cutlass.const_expr(self.staggered):
-                    cute.arch.barrier(barrier_id=bar_dq_empty(wg), number_of_threads=HALF_BAR_THREADS)
-                else:
-                    previous_writer = (it + self.dq_writers - 1) % self.dq_writers
-                    cute.arch.barrier(barrier_id=bar_dq_empty(previous_writer), number_of_threads=DQ_BAR_THREADS)
-                if cutlass.const_expr(self.dq_in_tiles):
-                    store_dq_fragments(acc_dQ, sdQ.iterator, wg, dq_warp, lane)
-                else:
-                    cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQsdQ)
-            cute.arch.fence_view_async_shared()
-            if cutlass.const_expr(self.staggered):
-                cute.arch.barrier_arrive(barrier_id=bar_dq_full(wg), number_of_threads=HALF_BAR_THREADS)
-            else:
-                cute.arch.barrier_arrive(barrier_id=bar_dq_full(it % self.dq_writers), number_of_threads=DQ_BAR_THREADS)
+            self._hand_dq_to_writer(acc_dQ, it, s, wg, dq_warp, lane, sdQ, r2s_dq, thr_r2s_dq, tdQsdQ)
             if cutlass.const_expr(not self.stats_warp):
                 # After the dQ hand-off, whose shared-memory fence would wait
                 # for these loads too.

@@ -27,6 +27,9 @@ def shared_storage(dtype, m_block: int, stages: int, layouts: dict, dq_in_stage:
     class SharedStorage:
         pipe_bar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
         kv_bar: cute.struct.MemRange[cutlass.Int64, 1]
+        # Per stage, nonzero where a query row's lse or delta is not finite
+        # (nan_guard.py); in the padding before sStats at 2 stages.
+        nan_flags: cute.struct.MemRange[Int32, stages]
         # lse * log2 e and delta of each stage's query rows (STATS_WARP).
         sStats: cute.struct.Align[cute.struct.MemRange[Float32, 2 * m_block * stages], 16]
         # dq_in_stage: sQ holds Q and dO of each stage side by side (no sdO,

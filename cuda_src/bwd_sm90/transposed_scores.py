@@ -20,7 +20,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from common.dsl_common import capped_score_slope
+from common.dsl_common import WARP_SIZE, capped_score_slope
+from common.hidden_pairs import HIDDEN
+from common.nonfinite import is_nonfinite
 
 LOG2E = math.log2(math.e)
 
@@ -48,6 +50,22 @@ def lse_to_log2(lse):
     if lse == -Float32.inf:
         lse_log2 = Float32.inf
     return lse_log2
+
+
+@cute.jit
+def flag_nonfinite_stats(sStats, nan_flags, stage, lane):
+    """The stats warp, once it staged a query tile's statistics: nan_flags
+    [stage] = whether a row's lse * log2 e or delta is not finite (read back
+    after the staging loop, which stays as it was: the warp has 24
+    registers)."""
+    rows = cute.size(sStats, mode=[0])
+    found = False
+    for i in cutlass.range_constexpr((rows + WARP_SIZE - 1) // WARP_SIZE):
+        row = cutlass.min(i * WARP_SIZE + lane, rows - 1)
+        found = found or is_nonfinite(sStats[row, 0, stage]) or is_nonfinite(sStats[row, 1, stage])
+    found = cute.arch.vote_any_sync(found)
+    if lane == 0:
+        nan_flags[stage] = Int32(1) if found else Int32(0)
 
 
 @cute.jit
@@ -106,9 +124,9 @@ def zero_hidden_pairs(acc_mn, tScS, m0, n0, q_len, kv_len, lo, hi, key_seg=None,
             key = tScS[r, c][0]
             if cutlass.const_expr(key_seg is not None):
                 if key < key_lo or key >= key_hi or key_seg[r] != query_seg:
-                    acc_mn[r, c] = Float32(0.0)
+                    acc_mn[r, c] = Float32(HIDDEN)
             elif key < key_lo or key >= key_hi:
-                acc_mn[r, c] = Float32(0.0)
+                acc_mn[r, c] = Float32(HIDDEN)
 
 
 class QueryStats:

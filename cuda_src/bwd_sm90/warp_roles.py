@@ -12,7 +12,7 @@ from cutlass.cute.nvgpu import cpasync
 from barriers import (  # noqa: F401  (kernel.py imports them from here)
     BAR_EPI, BAR_PDS, BAR_STAGE_READ, BAR_STATS, MAX_DQ_WRITERS, bar_dq_empty, bar_dq_full, bar_stats_of_wg,
 )
-from transposed_scores import lse_to_log2
+from transposed_scores import flag_nonfinite_stats, lse_to_log2
 from common.dsl_common import (
     last_kv_block_seeing, query_tile_of, release_add_s32, rotated_turn, wait_at_least,
 )
@@ -183,13 +183,15 @@ class ProducerWarps:
 
     @cute.jit
     def _load_stats(
-        self, mLSE, mDelta, sStats, batch, kv_head, group, m_block_min, m_blocks, rotation, n_iters, seqlen_q,
+        self, mLSE, mDelta, sStats, nan_flags, batch, kv_head, group, m_block_min, m_blocks, rotation, n_iters,
+        seqlen_q,
     ):
         """One warp: per query tile `it`, once the consumers have read what
         stage it % stages held before, lse * log2 e (+inf for rows that see no
         key, so that P = 0 there) and delta of its rows into that stage of
-        sStats ((rows, 2, stages)). Rows past seqlen_q take the last row's
-        values (the mask hides them); BAR_STATS hands the stages over."""
+        sStats ((rows, 2, stages)), and whether one is not finite into
+        nan_flags[stage] (nan_guard.py). Rows past seqlen_q take the last row's values
+        (the mask hides them); BAR_STATS hands the stages over."""
         M, st = self.m_block, self.stages
         lane = cute.arch.lane_idx()
         for it in cutlass.range(n_iters, unroll=1):
@@ -202,6 +204,7 @@ class ProducerWarps:
                 row = M - M % WARP_THREADS + lane
                 if row < M:
                     self._stage_query_stats(mLSE, mDelta, sStats, batch, head, m_block, row, stage, seqlen_q)
+            flag_nonfinite_stats(sStats, nan_flags, stage, lane)
             if cutlass.const_expr(self.staggered):
                 # The follower WG (1) reaches a tile last: past its barrier
                 # both are done with the stage that the next tile overwrites.

@@ -95,11 +95,13 @@ def segment_bounds_union(
 
 
 @cute.jit
-def zero_outside_key_window(acc_mn, tScS, m0, n0, q_len, kv_len, lo, hi, row_seg=None, col_seg=None):
+def zero_outside_key_window(acc_mn, tScS, m0, n0, q_len, kv_len, lo, hi, row_seg=None, col_seg=None,
+                            value: cutlass.Constexpr = 0.0):
     """Zero the (rows, cols) accumulator entries whose (query i, key j) pair
     is not visible: i >= q_len, j >= kv_len, j - i outside [lo, hi], or (when
     row_seg / col_seg are given) different segment ids. The backward kernels
-    compute P and dS from these, so a hidden pair must contribute exactly 0."""
+    compute P and dS from these, so a hidden pair must contribute exactly 0
+    (value: -0.0 marks it for hidden_pairs.zero_where_hidden)."""
     for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
         row = m0 + tScS[r, 0][0]
         # Visible keys of this row, as tile-local columns [col_lo, col_hi).
@@ -111,9 +113,9 @@ def zero_outside_key_window(acc_mn, tScS, m0, n0, q_len, kv_len, lo, hi, row_seg
             col = tScS[r, c][1]
             if cutlass.const_expr(row_seg is not None):
                 if col < col_lo or col >= col_hi or row_seg[r] != col_seg[c]:
-                    acc_mn[r, c] = Float32(0.0)
+                    acc_mn[r, c] = Float32(value)
             elif col < col_lo or col >= col_hi:
-                acc_mn[r, c] = Float32(0.0)
+                acc_mn[r, c] = Float32(value)
 
 
 def row_store_tile(dtype, cols: int, threads: int) -> cute.TiledCopy:

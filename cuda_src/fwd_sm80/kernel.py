@@ -15,6 +15,14 @@ The packed-document variant (has_segments) also requires equal segment ids.
 It narrows each query tile's KV range to the union of its rows' kv_bounds and
 compares ids on every visited tile, since the bounds only say where visible
 keys can be, not that every key inside them is visible.
+
+NaN and Inf (docs/numerics.md): the PV MMA multiplies a masked zero
+probability with whatever V holds, and 0 x NaN is NaN. V rows past the key
+length are zeroed at the load; on a tile the mask cuts (_check_values) each
+thread checks the V vectors its own cp.async wrote, the barrier that makes V
+visible ORs the answers, and only where one is NaN or Inf the rows that see
+it get NaN in that output column and the tile's non-finite values are
+zeroed. A tile every row sees runs the code it ran before.
 """
 
 import math
@@ -32,6 +40,9 @@ from common.dsl_common import (
     m16n8_acc_as_rows_cols,
     segment_bounds_union,
 )
+from common.nonfinite import any_nonfinite, barrier_any, zero_nonfinite
+from common.seen_values import RowMask, poison_seen_columns
+from common.segment_tiles import MIXED, segment_key
 
 LN2 = math.log(2.0)
 COPY_BITS = 128  # one cp.async / one vector store moves 16 bytes per thread
@@ -328,6 +339,16 @@ class FlashFwdSm80:
         if cutlass.const_expr(self.has_segments):
             for r in cutlass.range_constexpr(num_rows):
                 row_seg[r] = mQSeg[batch, cutlass.min(m_start + tScS[r, 0][0], seqlen_q - 1)]
+        # What _check_values needs: which keys each output row sees, and with
+        # packed documents the id of the CTA's rows (MIXED: several), against
+        # which a KV tile whose keys carry another, or several, counts as cut.
+        tOcO = m16n8_acc_as_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((tile_m, head_dim))))
+        seen_mask = RowMask(m_start, q_len, kv_len, diag_offset, window_left, window_right)
+        rows_key = cutlass.Int32(0)
+        if cutlass.const_expr(self.has_segments):
+            seen_mask = RowMask(m_start, q_len, kv_len, diag_offset, window_left, window_right,
+                                row_seg, mKVSeg, batch)
+            rows_key = segment_key(mQSeg, batch, m_start, tile_m)
 
         # ---- prologue: Q and the first K tile -----------------------------
         if num_n_blocks > 0:
@@ -346,7 +367,8 @@ class FlashFwdSm80:
             n_block = n_block_max - 1 - n_iter
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
-            self._load_kv(gmem_tiled_copy_load, tVgV, tVsV, tKVcKV, n_block, seqlen_k)
+            # V: zeros past kv_len (a masked probability meets them).
+            self._load_kv(gmem_tiled_copy_load, tVgV, tVsV, tKVcKV, n_block, kv_len)
             cute.arch.cp_async_commit_group()
 
             acc_S = cute.make_rmem_tensor(
@@ -378,7 +400,17 @@ class FlashFwdSm80:
                 )
 
             cute.arch.cp_async_wait_group(0)
-            cute.arch.barrier()
+            partial = n_block < full_lo or n_block >= full_hi
+            if cutlass.const_expr(self.has_segments):
+                # The same in every warp (votes), said so (see _check_values).
+                # Its ids were just read for col_seg; loaded at the top of
+                # the iteration instead, ptxas spilled more at hd64.
+                mixed = rows_key == MIXED or segment_key(mKVSeg, batch, n_block * tile_n, tile_n) != rows_key
+                partial = partial or cute.arch.make_warp_uniform(cutlass.Int32(mixed)) != 0
+            if partial:
+                self._check_values(sV, sVt, gmem_tiled_copy_load, tidx, acc_O, tOcO, n_block, kv_len, seen_mask)
+            else:
+                cute.arch.barrier()
             if n_iter + 1 < num_n_blocks:
                 self._load_kv(
                     gmem_tiled_copy_load, tKgK, tKsK, tKVcKV, n_block - 1, seqlen_k
@@ -398,13 +430,15 @@ class FlashFwdSm80:
         for r in cutlass.range_constexpr(num_rows):
             total = self._quad_allreduce(row_sum[r], lambda a, b: a + b)
             row = m_start + tScS[r, 0][0]
-            seen = total > 0.0 and row < q_len
-            inv = cute.arch.rcp_approx(total) if seen else cutlass.Float32(0.0)
+            # A row saw a key iff its sum is not zero (NaN is not: its lse is
+            # NaN). The others, and rows past q_len, store exact zeros.
+            seen = total != 0.0 and row < q_len
+            inv = cute.arch.rcp_approx(total)
             lse = -cutlass.Float32.inf
             if seen:
                 lse = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
             for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                acc_O_mn[r, c] = acc_O_mn[r, c] * inv
+                acc_O_mn[r, c] = acc_O_mn[r, c] * inv if seen else cutlass.Float32(0.0)
             if lane % 4 == 0 and row < seqlen_q:
                 mLSE[batch, head_q, row] = lse
 
@@ -440,17 +474,41 @@ class FlashFwdSm80:
         tXsX: cute.Tensor,
         tXcX: cute.Tensor,
         n_block: cutlass.Int32,
-        seqlen_k: cutlass.Int32,
+        rows_end: cutlass.Int32,
     ):
-        """cp.async one K or V tile; rows past seqlen_k become zeros in smem."""
-        if (n_block + 1) * self.tile_n <= seqlen_k:
+        """cp.async one K or V tile; rows from rows_end on (at most seqlen_k)
+        become zeros in smem."""
+        if (n_block + 1) * self.tile_n <= rows_end:
             cute.copy(tiled_copy, tXgX[None, None, None, n_block], tXsX)
         else:
             for r in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
-                if n_block * self.tile_n + tXcX[0, r, 0][0] < seqlen_k:
+                if n_block * self.tile_n + tXcX[0, r, 0][0] < rows_end:
                     cute.copy(tiled_copy, tXgX[None, r, None, n_block], tXsX[None, r, None])
                 else:
                     tXsX[None, r, None].fill(0)
+
+    @cute.jit
+    def _check_values(self, sV, sVt, tiled_copy, tidx, acc_O, tOcO, n_block, kv_len, seen_mask: RowMask):
+        """In place of the barrier after V's load, on a KV tile the mask cuts:
+        each thread checks the V vectors its own cp.async wrote (complete
+        after its wait), and the barrier ORs the answers. Where V holds a NaN
+        or Inf, the output columns of the rows that see one turn NaN (acc_O,
+        before the tile's rescale) and the tile's non-finite values are zeroed
+        before the PV MMAs read them. (Reading V's NaN and Inf as zeros in a
+        copy of the PV MMAs instead made ptxas recompute the ldmatrix
+        addresses in every iteration.)"""
+        found = any_nonfinite(sV, tiled_copy, tidx, self.tile_n, self.dtype, row_mode=0)
+        # The same in every thread (a barrier's OR), said so: ptxas would
+        # otherwise take the barriers below for divergent code and guard
+        # every later shuffle of the loop with a branch.
+        if cute.arch.make_warp_uniform(barrier_any(found, 0, self.num_threads)) != 0:
+            n_start = n_block * self.tile_n
+            rows_valid = cutlass.max(cutlass.min(kv_len - n_start, self.tile_n), 0)
+            poison_seen_columns(m16n8_acc_as_rows_cols(acc_O), tOcO, sVt, n_start, rows_valid, seen_mask)
+            # Every thread read V before any zeroes it.
+            cute.arch.barrier()
+            zero_nonfinite(sV, tiled_copy, tidx, self.tile_n, self.dtype, row_mode=0)
+            cute.arch.barrier()
 
     @cute.jit
     def _gemm_smem(

@@ -27,6 +27,10 @@ Mask (kernel_api.h): row i sees column j iff i < q_len, j < kv_len,
 j >= i + diag_offset - window_left (window_left >= 0) and
 j <= i + diag_offset + window_right (window_right >= 0).
 
+NaN and Inf (docs/numerics.md): a partial tile's V is checked before the
+PV GEMM can multiply a masked zero with a NaN (value_check.py); a row saw
+a key iff its sum is not zero (output_tile.py).
+
 The packed-document variant (has_segments) also requires equal segment ids.
 It narrows the CTA's KV range to the union of its rows' kv_bounds (which
 only say where visible keys can be, not that every key inside is visible).
@@ -48,16 +52,18 @@ from cutlass.tensor_utils import LayoutEnum
 from common.dsl_common import (
     cap_scores, logit_scales, wgmma_acc_as_operand_a, wgmma_acc_as_rows_cols,
 )
+from common.seen_values import RowMask
+from consumer_turns import BAR_PINGPONG, WG_THREADS, ConsumerTurns
 from launch_order import tile_of_cta
 from kv_producer import WG_ROWS, KVProducer
 from online_softmax import online_softmax, rescale_rows, store_converted
 from output_tile import store_output_tile
-from paged_kv import PAGE_BOX, PagedProblem, clear_unseen_values, produce_paged, slab_layouts
+from paged_kv import PAGE_BOX, PagedProblem, produce_paged, slab_layouts
 from score_mask import mask_tile, unseen_leading_tiles
-from segment_ids import warp_bounds_union, warp_tile_segment
+from segment_ids import warp_bounds_union
 from tile_config import Q_IN_REGISTERS, REDUCTION_PARTIALS, TILE_CONFIG
+from value_check import ValueChecks
 
-WG_THREADS = 128  # one warpgroup
 # setmaxnreg only moves registers inside the CTA's launch allocation (64K
 # registers shared by all threads; consumer_registers): 2 consumers 128 * 24 +
 # 256 * 240 == 168 * 384, 3: 128 * 24 + 384 * 160 <= 128 * 512; one consumer
@@ -65,11 +71,8 @@ WG_THREADS = 128  # one warpgroup
 # == 80 * 256. Asking for more makes the consumers' increase wait forever.
 PRODUCER_REGS = 24
 SMEM_PER_SM = 228 * 1024  # of which each resident CTA reserves 1 KiB
-# Named barriers (0 is __syncthreads): one per consumer for the pingpong,
-# then one per consumer for its epilogue.
-BAR_PINGPONG = 1
 
-class FlashFwdSm90(KVProducer):
+class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
     """Forward attention for one dtype and (head_dim, head_dim_v) pair."""
 
     def __init__(
@@ -107,6 +110,9 @@ class FlashFwdSm90(KVProducer):
         # 160 registers spill (348 bytes at hd64).
         self.consumers = consumers or (2 if has_segments else default_consumers)
         self.pingpong = pingpong and self.consumers > 1
+        if self.consumers > 1 and not self.pingpong:
+            # The V checks (value_check.py) rely on the consumers' turns.
+            raise ValueError("FlashFwdSm90: several consumer warpgroups need pingpong=True")
         # More than one CTA per SM splits the registers and shared memory,
         # and lets one CTA's prologue and epilogue overlap another's GEMMs.
         self.ctas_per_sm = ctas_per_sm
@@ -514,6 +520,8 @@ class FlashFwdSm90(KVProducer):
         tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
         acc_S_shape = thr_qk.partition_shape_C((WG_ROWS, tile_n))
         acc_O_mn = wgmma_acc_as_rows_cols(acc_O)
+        # (row, column) of every O element, for the V checks.
+        tOcO = wgmma_acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((WG_ROWS, self.head_dim_v))))
         # (row, col) of every S element inside its (64, tile_n) tile.
         tScS = wgmma_acc_as_rows_cols(thr_qk.partition_C(cute.make_identity_tensor((WG_ROWS, tile_n))))
         num_rows = cute.size(tScS, mode=[0])
@@ -532,6 +540,8 @@ class FlashFwdSm90(KVProducer):
             for r in cutlass.range_constexpr(num_rows):
                 row = cutlass.max(cutlass.min(row_start + tScS[r, 0][0], mQSeg.shape[1] - 1), 0)
                 row_seg[r] = mQSeg[batch, row]
+        rows_mask = RowMask(row_start, q_len, kv_len, diag_offset, window_left, window_right, row_seg,
+                            mKVSeg, batch)
         # P lives in one register fragment across iterations: written after
         # softmax(j), read by the PV GEMM issued in iteration j + 1.
         rP = cute.make_rmem_tensor(acc_S_shape, self.dtype)
@@ -550,6 +560,7 @@ class FlashFwdSm90(KVProducer):
             full_lo = cute.ceil_div(
                 cutlass.max(m_start + self.tile_m - 1 + diag_offset - window_left, 0), tile_n
             )
+        full_lo = self._full_tiles_from(full_lo, mQSeg, batch, m_start)
 
         if self.pingpong:
             # Warpgroup 0 goes first: pre-arrive on its own turn barrier.
@@ -580,14 +591,22 @@ class FlashFwdSm90(KVProducer):
             pipe_v.consumer_release(kv_state)
             kv_state.advance()
 
+        # Whether the PV GEMM of the tile before must zero V first (value_check.py).
+        clean = cutlass.Int32(0)
         if num_n_blocks > skipped:
             # First tile: S, softmax, P; its PV GEMM is issued next iteration.
             n_block = n_block_max - 1 - skipped
+            # Segment ids of a KV tile are loaded one tile ahead: the V check
+            # at the top of its iteration needs them.
+            tile_seg = self._tile_segment(mKVSeg, batch, n_block * tile_n)
+            clean = self._check_values(
+                sV, pipe_v, kv_state, n_block, self._partial_tile(n_block, full_lo, full_hi, tile_seg, row_seg),
+                kv_len, tidx, wg, acc_O_mn, tOcO, rows_mask)
             pipe_k.consumer_wait(kv_state)
             self._turn_wait(wg)
             acc_S = self._gemm_qk(tiled_mma_qk, acc_S_shape, tSrQ, tSrK, kv_state.index)
             self._turn_pass(wg)
-            tile_seg = self._tile_segment(mKVSeg, batch, n_block * tile_n)
+            next_seg = self._tile_segment(mKVSeg, batch, cutlass.max(n_block - 1, 0) * tile_n)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(kv_state)
             cap_scores(acc_S, softcap_in)
@@ -603,16 +622,25 @@ class FlashFwdSm90(KVProducer):
                 n_block = n_block_max - 1 - i
                 v_state = kv_state.clone()
                 kv_state.advance()
+                tile_seg = next_seg
+                # Before the turn (value_check.py).
+                clean_next = self._check_values(
+                    sV, pipe_v, kv_state, n_block,
+                    self._partial_tile(n_block, full_lo, full_hi, tile_seg, row_seg), kv_len, tidx, wg,
+                    acc_O_mn, tOcO, rows_mask)
                 pipe_k.consumer_wait(kv_state)
                 self._turn_wait(wg)
+                # In the turn, before the S GEMM, whose accumulator would sit
+                # beside its registers.
+                self._clean_values(sV, pipe_v, v_state, clean, n_block + 1, kv_len, tidx, wg)
+                clean = clean_next
                 acc_S = self._gemm_qk(tiled_mma_qk, acc_S_shape, tSrQ, tSrK, kv_state.index)
                 rescale_rows(acc_O_mn, factor, self.conditional_rescale)
                 pipe_v.consumer_wait(v_state)
-                self._clear_unseen_values(sV, v_state.index, n_block + 1, kv_len, tidx, wg)
                 self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)
                 self._turn_pass(wg)
                 # Issued while the GEMMs run, so that their latency hides.
-                tile_seg = self._tile_segment(mKVSeg, batch, n_block * tile_n)
+                next_seg = self._tile_segment(mKVSeg, batch, cutlass.max(n_block - 1, 0) * tile_n)
                 warpgroup.wait_group(1)
                 cap_scores(acc_S, softcap_in)
                 acc_S_mn = wgmma_acc_as_rows_cols(acc_S)
@@ -634,66 +662,20 @@ class FlashFwdSm90(KVProducer):
 
             rescale_rows(acc_O_mn, factor, self.conditional_rescale)
             pipe_v.consumer_wait(kv_state)
-            self._clear_unseen_values(sV, kv_state.index, n_block_max - num_n_blocks, kv_len, tidx, wg)
+        # The last PV GEMM takes a turn too, so that the other warpgroups have
+        # checked its V before this one zeroes it (value_check.py).
+        # (The GEMM and its wait in one branch, or ptxas serialises every WGMMA.)
+        self._turn_wait(wg)
+        if num_n_blocks > skipped:
+            self._clean_values(sV, pipe_v, kv_state, clean, n_block_max - num_n_blocks, kv_len, tidx, wg)
             self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, kv_state.index)
+            self._turn_pass(wg)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(kv_state)
+        else:
+            self._turn_pass(wg)
 
         store_output_tile(tidx, self.bar_epilogue + wg, tOsO, acc_O, acc_O_mn, tScS, row_max,
                           row_sum, scale_log2, sO_wg, tma_o, mO, mLSE, head_q, batch,
                           wg_tile0 + wg, row_start, q_len, self.dtype, (WG_ROWS, self.head_dim_v),
                           WG_THREADS)
-
-    # ------------------------------------------------------------------------
-    @cute.jit
-    def _clear_unseen_values(self, sV, stage, v_block, kv_len, tidx, wg):
-        """Paged: zero the V rows of tile v_block past the cache (its last
-        page's unused slots) before a PV GEMM reads them."""
-        if cutlass.const_expr(self.paged_kv):
-            if (v_block + 1) * self.tile_n > kv_len:
-                clear_unseen_values(sV, stage, kv_len - v_block * self.tile_n, tidx, WG_THREADS,
-                                    self.tile_n, self.bar_epilogue + wg)
-
-    @cute.jit
-    def _turn_wait(self, wg):
-        """Pingpong: wait until the previous consumer has issued its GEMMs."""
-        if self.pingpong:
-            cute.arch.barrier(barrier_id=BAR_PINGPONG + wg, number_of_threads=2 * WG_THREADS)
-
-    @cute.jit
-    def _turn_pass(self, wg):
-        """Pingpong: let the next consumer issue its GEMMs."""
-        if self.pingpong:
-            # 1 - wg for two: the same code as before three were possible.
-            following = 1 - wg if cutlass.const_expr(self.consumers == 2) else (wg + 1) % self.consumers
-            cute.arch.barrier_arrive(
-                barrier_id=BAR_PINGPONG + following, number_of_threads=2 * WG_THREADS
-            )
-
-    @cute.jit
-    def _gemm_qk(self, tiled_mma, acc_S_shape, tSrQ, tSrK, stage):
-        """Issue S = Q K(stage)^T asynchronously; the caller waits."""
-        acc_S = cute.make_rmem_tensor(acc_S_shape, cutlass.Float32)
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
-            cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
-        warpgroup.commit_group()
-        return acc_S
-
-    @cute.jit
-    def _gemm_pv(self, tiled_mma, acc_O, tOrP, tOrV, stage):
-        """Issue O += P V(stage) asynchronously with P in registers."""
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-            cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrV[None, None, k, stage], acc_O)
-        warpgroup.commit_group()
-
-    @cute.jit
-    def _tile_segment(self, mKVSeg, batch, n_start):
-        """(id, uniform) of a KV tile's segment ids (warp_tile_segment); None
-        for the plain variant."""
-        tile_seg = None
-        if cutlass.const_expr(self.has_segments):
-            tile_seg = warp_tile_segment(mKVSeg, batch, n_start, self.tile_n)
-        return tile_seg

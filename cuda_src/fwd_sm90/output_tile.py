@@ -20,7 +20,8 @@ def store_output_tile(
     dtype: cutlass.Constexpr, tile_shape: cutlass.Constexpr, threads: cutlass.Constexpr,
 ):
     """Normalise O, write the natural-log LSE (-inf for a row that sees no
-    key, whose O is zero), and store the warpgroup's O tile (tile_shape:
+    key, whose O is exactly zero; NaN for one that saw a NaN or +Inf
+    logit, whose sum is NaN), and store the warpgroup's O tile (tile_shape:
     rows, head_dim_v) through sO, whose partition for the PV accumulator is
     tOsO. The TMA store clips rows past seqlen_q; a tile before row 0
     (wg_tile < 0) stores nothing. barrier_id: a named barrier of the
@@ -29,13 +30,16 @@ def store_output_tile(
     for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
         total = quad_allreduce(row_sum[r], lambda a, b: a + b)
         row = row_start + tScS[r, 0][0]
-        seen = total > 0.0 and row < q_len
-        inv = cute.arch.rcp_approx(total) if seen else cutlass.Float32(0.0)
+        # A row saw a key iff its sum is not zero (NaN is not). The others,
+        # rows past q_len included, store zeros whatever their accumulator
+        # holds (rows of their own: a NaN there is no other row's).
+        seen = total != 0.0 and row < q_len
+        inv = cute.arch.rcp_approx(total)
         lse = -cutlass.Float32.inf
         if seen:
             lse = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
         for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-            acc_O_mn[r, c] = acc_O_mn[r, c] * inv
+            acc_O_mn[r, c] = acc_O_mn[r, c] * inv if seen else cutlass.Float32(0.0)
         if tidx % 4 == 0 and row >= 0 and row < seqlen_q:
             mLSE[batch, head_q, row] = lse
 

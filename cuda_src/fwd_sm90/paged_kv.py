@@ -44,8 +44,9 @@ class PagedProblem:
         self.kv_len = cutlass.max(cutlass.min(total - first_key, self.split_keys), 0)
         # The last query of the sequence is its last key: bottom-right.
         self.diag_offset = diag_offset + total - self.q_len - first_key
-        # Boxes past the cache read its last page (masked, their V cleared):
-        # the page table need not name a page there.
+        # Boxes past the cache read its last page (masked, their V zeroed in
+        # shared memory: value_check.py): the page table need not name a page
+        # there.
         self.last_page = cutlass.max(cute.ceil_div(total, page_size) - 1 - self.first_page, 0)
 
     def page_lookup(self):
@@ -74,20 +75,6 @@ def slabs(sK, sV, head_dim, head_dim_v):
     """The K and V stages cut into PAGE_BOX-key slabs:
     K (PAGE_BOX, head_dim, slab, 1, stage), V (head_dim_v, PAGE_BOX, 1, slab, stage)."""
     return cute.flat_divide(sK, (PAGE_BOX, head_dim)), cute.flat_divide(sV, (head_dim_v, PAGE_BOX))
-
-
-@cute.jit
-def clear_unseen_values(sV, stage, rows_valid, tidx, threads: cutlass.Constexpr,
-                        tile_n: cutlass.Constexpr, barrier_id):
-    """Zero the V rows (keys) from rows_valid on of one stage: past the cache
-    they hold whatever the page held, and a zero probability times NaN or
-    Inf is NaN. Makes the writes visible to WGMMA (async proxy) and waits
-    for the warpgroup's threads."""
-    head_dim_v = cute.size(sV, mode=[0])
-    for i in cutlass.range(rows_valid * head_dim_v + tidx, tile_n * head_dim_v, threads, unroll=1):
-        sV[i % head_dim_v, i // head_dim_v, stage] = sV.element_type(0.0)
-    cute.arch.fence_proxy("async.shared", space="cta")
-    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
 
 
 @cute.jit

@@ -6,7 +6,9 @@ variant)."""
 import cutlass
 import cutlass.cute as cute
 
-from segment_ids import load_tile_ids
+from common.seen_values import visible_columns
+from common.segment_tiles import MIXED
+from segment_ids import lane_tile_ids, same_segment, same_segment_masks
 
 
 @cute.jit
@@ -30,17 +32,16 @@ def unseen_leading_tiles(row_start, rows: cutlass.Constexpr, tile_n: cutlass.Con
 @cute.jit
 def mask_tile(
     acc_S_mn, tScS, row_start, n_block, tile_n: cutlass.Constexpr, full_lo, full_hi, q_len,
-    kv_len, diag_offset, window_left, window_right, row_seg, tile_seg, mKVSeg, batch,
+    kv_len, diag_offset, window_left, window_right, row_seg, tile_id, mKVSeg, batch,
 ):
     """Masks one S tile. Tiles in [full_lo, full_hi) are visible to every row
     as far as lengths, diagonal and window go. For the packed-document variant
-    (row_seg given), a tile whose keys all belong to one document only masks
-    the rows of other documents; any other tile compares ids element by
-    element."""
+    (row_seg given), a tile whose keys all belong to one document (tile_id,
+    common/segment_tiles.segment_key) only masks the rows of other documents; any
+    other tile compares ids element by element."""
     n_start = n_block * tile_n
     if cutlass.const_expr(row_seg is not None):
-        tile_id, uniform = tile_seg
-        if uniform:
+        if tile_id != MIXED:
             if n_block < full_lo or n_block >= full_hi:
                 apply_mask(acc_S_mn, tScS, row_start, n_start, q_len, kv_len,
                            diag_offset, window_left, window_right)
@@ -49,9 +50,8 @@ def mask_tile(
                     for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                         acc_S_mn[r, c] = -cutlass.Float32.inf
         else:
-            col_seg = load_tile_ids(mKVSeg, batch, n_start, tScS[0, None], tile_n)
-            apply_mask(acc_S_mn, tScS, row_start, n_start, q_len, kv_len,
-                       diag_offset, window_left, window_right, row_seg, col_seg)
+            apply_mask(acc_S_mn, tScS, row_start, n_start, q_len, kv_len, diag_offset, window_left,
+                       window_right, row_seg, lane_tile_ids(mKVSeg, batch, n_start, tile_n))
     elif n_block < full_lo or n_block >= full_hi:
         apply_mask(acc_S_mn, tScS, row_start, n_start, q_len, kv_len,
                    diag_offset, window_left, window_right)
@@ -60,23 +60,21 @@ def mask_tile(
 @cute.jit
 def apply_mask(
     acc_S_mn, tScS, row_start, n_start, q_len, kv_len,
-    diag_offset, window_left, window_right, row_seg=None, col_seg=None,
+    diag_offset, window_left, window_right, row_seg=None, lane_ids=None,
 ):
-    """Set S to -inf where row i may not see column j (kernel_api.h)."""
+    """Set S to -inf where row i may not see column j (kernel_api.h), and
+    with row_seg / lane_ids (lane_tile_ids) where their segment ids differ."""
+    masks = None
+    if cutlass.const_expr(row_seg is not None):
+        masks = same_segment_masks(lane_ids, row_seg)
+    lane = cute.arch.lane_idx()
     for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-        row = row_start + tScS[r, 0][0]
-        col_lo = cutlass.Int32(0)
-        if window_left >= 0:
-            col_lo = row + diag_offset - window_left
-        col_hi = kv_len
-        if window_right >= 0:
-            col_hi = cutlass.min(row + diag_offset + window_right + 1, kv_len)
-        if row >= q_len:
-            col_hi = cutlass.Int32(0)
+        col_lo, col_hi = visible_columns(row_start + tScS[r, 0][0], q_len, kv_len, diag_offset,
+                                         window_left, window_right)
         for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
             col = n_start + tScS[0, c][1]
             if cutlass.const_expr(row_seg is not None):
-                if col < col_lo or col >= col_hi or row_seg[r] != col_seg[c]:
+                if col < col_lo or col >= col_hi or not same_segment(masks, r, c, cute.size(lane_ids), lane):
                     acc_S_mn[r, c] = -cutlass.Float32.inf
             elif col < col_lo or col >= col_hi:
                 acc_S_mn[r, c] = -cutlass.Float32.inf

@@ -13,6 +13,8 @@ import cutlass.cute as cute
 
 from common.dsl_common import INT32_MAX, WARP_SIZE
 
+QUAD = 4  # lanes that share a WGMMA accumulator row
+
 
 @cute.jit
 def warp_bounds_union(mBounds: cute.Tensor, batch, first_row, last_row, rows: cutlass.Constexpr):
@@ -40,36 +42,50 @@ def warp_bounds_union(mBounds: cute.Tensor, batch, first_row, last_row, rows: cu
 
 
 @cute.jit
-def load_tile_ids(mSeg: cute.Tensor, batch, start, coords: cute.Tensor, extent: cutlass.Constexpr):
-    """Segment ids mSeg[batch, start + coords[i][1]] for this thread's
-    columns of a tile of `extent` columns. Only a tile that crosses the end
-    of the sequence clamps its columns (callers mask those anyway):
-    unclamped loads share one base address and differ by immediates, which
-    keeps register pressure down in the consumer loop."""
-    num = cute.size(coords)
-    seqlen = mSeg.shape[1]
-    ids = cute.make_rmem_tensor(num, cutlass.Int32)
-    if start + extent <= seqlen:
-        for i in cutlass.range_constexpr(num):
-            ids[i] = mSeg[batch, start + coords[i][1]]
-    else:
-        for i in cutlass.range_constexpr(num):
-            ids[i] = mSeg[batch, cutlass.min(start + coords[i][1], seqlen - 1)]
+def lane_tile_ids(mSeg: cute.Tensor, batch, start, extent: cutlass.Constexpr):
+    """Segment ids mSeg[batch, start + 32 m + lane] of a tile of `extent`
+    columns, m = 0, 1, ...: the warp holds every column's id once, and a
+    thread takes those of its accumulator columns by shuffles (column_id).
+    Columns past the sequence read its last id (callers mask them anyway).
+    Three registers at 80 columns where a thread's own 20 ids took 20: the
+    packed-document kernel at head dim 256 spilled."""
+    last = mSeg.shape[1] - 1
+    lane = cute.arch.lane_idx()
+    ids = cute.make_rmem_tensor((extent + WARP_SIZE - 1) // WARP_SIZE, cutlass.Int32)
+    for m in cutlass.range_constexpr(cute.size(ids)):
+        ids[m] = mSeg[batch, cutlass.min(start + m * WARP_SIZE + lane, last)]
     return ids
 
 
 @cute.jit
-def warp_tile_segment(mSeg: cute.Tensor, batch, start, extent: cutlass.Constexpr):
-    """(id, uniform): the segment id at column `start` and whether all
-    `extent` columns from `start` (clamped to the sequence) hold it. Lanes
-    read consecutive columns (coalesced) and vote, so every lane of the warp
-    gets the same answer: a tile inside one document then costs a few loads
-    instead of an id comparison per score."""
-    last = cutlass.min(start + extent, mSeg.shape[1]) - 1
+def same_segment_masks(lane_ids, row_seg):
+    """Per accumulator row r of this thread and register m of lane_ids
+    (lane_tile_ids): bit b of word r * len(lane_ids) + m says whether
+    column 32 m + b of the tile carries row r's id. A ballot per row of
+    the warp (the 8 quads' rows, in a loop that keeps few registers); the
+    ids of a thread's own columns, up to 20, all held at once, made the
+    packed-document kernel spill at head dim 256."""
     lane = cute.arch.lane_idx()
-    tile_id = mSeg[batch, cutlass.min(start, last)]
-    differs = cutlass.Int32(0)
-    # A last, partial pass re-reads the final column in its spare lanes.
-    for i in cutlass.range_constexpr((extent + WARP_SIZE - 1) // WARP_SIZE):
-        differs = differs | (mSeg[batch, cutlass.min(start + i * WARP_SIZE + lane, last)] ^ tile_id)
-    return tile_id, cute.arch.vote_all_sync(differs == 0)
+    num_rows = cute.size(row_seg)
+    words = cute.size(lane_ids)
+    masks = cute.make_rmem_tensor(num_rows * words, cutlass.Int32)
+    masks.fill(0)
+    for quad in cutlass.range(WARP_SIZE // QUAD, unroll=1):
+        for r in cutlass.range_constexpr(num_rows):
+            row_id = cute.arch.shuffle_sync(row_seg[r], QUAD * quad)
+            for m in cutlass.range_constexpr(words):
+                same = cute.arch.vote_ballot_sync(lane_ids[m] == row_id)
+                if lane // QUAD == quad:
+                    masks[r * words + m] = same
+    return masks
+
+
+@cute.jit
+def same_segment(masks, r: cutlass.Constexpr, c: cutlass.Constexpr, words: cutlass.Constexpr, lane):
+    """Whether accumulator column c (rows-cols view) of this thread carries
+    row r's id (same_segment_masks). A WGMMA accumulator's lane l holds the
+    columns 8 g + 2 (l % 4) + e, c = 2 g + e: bit (8 g + ...) % 32 of word
+    g // 4."""
+    g, e = c // 2, c % 2
+    bit = 8 * (g % 4) + 2 * (lane % QUAD) + e
+    return ((masks[r * words + g // 4] >> bit) & 1) != 0
