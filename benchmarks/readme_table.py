@@ -57,7 +57,9 @@ def medians(rows: list, seq: int) -> dict:
 def the_command(command: str | None) -> str:
   """The benchmark call of a run's command, without how the build got there."""
   found = re.search(r"bench_attention\.py[^;,]*", command or "")
-  return f"python benchmarks/{found.group(0).strip()}" if found else "(command not recorded)"
+  if found:
+    return f"python benchmarks/{found.group(0).strip()}"
+  return command or "(command not recorded)"
 
 
 def table(path, seq: int = 8192) -> str:
@@ -101,7 +103,7 @@ def table(path, seq: int = 8192) -> str:
              + ("; the deterministic backward's TFLOPS over the default's" if has_deterministic
                 else "")
              + f". {'Medians of ' + str(rounds) + ' rounds' if rounds > 1 else 'One timing'} "
-             f"taken in turn with cuDNN in one process: `{the_command(header.get('command'))}` "
+             f"with cuDNN timed in the same run: `{the_command(header.get('command'))}` "
              f"(`benchmarks/results/{pathlib.Path(path).name}`).")
   return "\n".join([caption, "", "| " + " | ".join(columns) + " |",
                     "|" + "---|" * len(columns), *lines])
