@@ -55,12 +55,12 @@ class TestCpu(AttentionTestBase):
 
   # NaN semantics and sinks: a few cases here, every case in TestCpuSweep.
   @pytest.mark.parametrize("case", ["past-lengths", "other-documents", "outside-window"])
-  def test_masked_nan_and_inf_never_reach_results(self, case, nan_semantics):
-    super().test_masked_nan_and_inf_never_reach_results(case, nan_semantics)
+  def test_masked_nan_and_inf_never_reach_results(self, case):
+    super().test_masked_nan_and_inf_never_reach_results(case)
 
   @pytest.mark.parametrize("where", ["k", "v-inf"])
-  def test_visible_nan_and_inf_propagate(self, where, nan_semantics):
-    super().test_visible_nan_and_inf_propagate(where, nan_semantics)
+  def test_visible_nan_and_inf_propagate(self, where):
+    super().test_visible_nan_and_inf_propagate(where)
 
   def test_sinks_match_reference(self):
     super().test_sinks_match_reference("causal-gqa")
