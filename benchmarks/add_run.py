@@ -15,7 +15,7 @@ import pathlib
 import re
 import sys
 
-from jax_flash import benchmark
+from jax_flash import _benchmark as benchmark
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 import jax_flash
 import plot_results
-from jax_flash import benchmark
+from jax_flash import _benchmark as benchmark
 
 # XLA materialises the [B, N, S, S] scores; past this length it runs out of memory.
 XLA_MAX_SEQ = 8192

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_flash
-from jax_flash import benchmark, configs
+from jax_flash import _benchmark as benchmark, _configs as configs
 
 
 @contextlib.contextmanager

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash
-from jax_flash import benchmark, mla, mla_fp8
+from jax_flash import _benchmark as benchmark, _mla as mla, _mla_fp8 as mla_fp8
 
 SCALE = 192 ** -0.5
 PAGE, LATENT, WIDTH = mla_fp8.PAGE_SIZE, mla_fp8.LATENT_DIM, mla_fp8.HEAD_DIM

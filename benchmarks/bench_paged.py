@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash
-from jax_flash import benchmark
+from jax_flash import _benchmark as benchmark
 
 HEADS, HEADS_KV, HEAD_DIM = 32, 8, 128
 DECODE_BATCHES = (1, 8, 64, 256)
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
                       help="BATCHxSEQ decode shapes instead of every --batches x --seqs")
   parser.add_argument("--pages", type=int, nargs="+", default=[16, 64])
   parser.add_argument("--split-sizes", type=int, nargs="+",
-                      default=[jax_flash.paged.DEFAULT_KV_SPLIT_SIZE],
+                      default=[jax_flash._paged.DEFAULT_KV_SPLIT_SIZE],
                       help="jax_flash kv_split_size values, a row each")
   parser.add_argument("--out", type=pathlib.Path, help="results file to write (one run)")
   args = parser.parse_args(argv)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash
-from jax_flash import benchmark
+from jax_flash import _benchmark as benchmark
 
 BATCH, HEADS, HEADS_KV, PAGE_SIZE = 8, 8, 2, 64
 SEQS = (2048, 8192)

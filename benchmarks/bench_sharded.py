@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flash
-from jax_flash import benchmark
+from jax_flash import _benchmark as benchmark
 
 HEAD_DIM = 128
 DP_BATCH_PER_GPU = 2

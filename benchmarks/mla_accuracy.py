@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash
-from jax_flash import mla, mla_fp8
+from jax_flash import _mla as mla, _mla_fp8 as mla_fp8
 
 SCALE = 192 ** -0.5  # DeepSeek-V2/V3 without YaRN
 LATENT, ROPE, WIDTH = mla_fp8.LATENT_DIM, mla_fp8.ROPE_DIM, mla_fp8.HEAD_DIM

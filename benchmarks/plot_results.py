@@ -17,7 +17,7 @@ import pathlib
 import statistics
 import sys
 
-from jax_flash import benchmark
+from jax_flash import _benchmark as benchmark
 
 OPS = ("fwd", "bwd")
 OP_TITLES = {"fwd": "forward", "bwd": "backward"}

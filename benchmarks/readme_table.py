@@ -17,7 +17,7 @@ import re
 import statistics
 import sys
 
-from jax_flash import benchmark
+from jax_flash import _benchmark as benchmark
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

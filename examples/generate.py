@@ -628,7 +628,7 @@ def bench_row(attention, model, serve, stream, summary, mesh) -> dict:
 
 
 def write_results(path: pathlib.Path, rows, model, serve, argv, note) -> None:
-  from jax_flash import benchmark
+  from jax_flash import _benchmark as benchmark
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True, cwd=pathlib.Path(__file__).parent).stdout.strip() or None
   run = {"gpu": jax.devices()[0].device_kind, "jax": jax.__version__,

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash
-from jax_flash import api, benchmark, configs, ffi
+from jax_flash import _api as api, _benchmark as benchmark, _configs as configs, _ffi as ffi
 
 from tqdm import tqdm
 

@@ -21,7 +21,7 @@ Only the first GPU is looked at (as ``ffi.gpu_compute_capability`` does).
 
 import jax
 
-from jax_flash import configs, ffi
+from jax_flash import _configs as configs, _ffi as ffi
 
 # The compiled targets, in words. Keep in step with the rule below and with
 # the architectures cmake/cuda_kernels.cmake exports (JF_FAMILY_ARCHS_*).

@@ -43,7 +43,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_flash import api
+from jax_flash import _api as api
 
 try:
   import equinox as eqx

@@ -18,7 +18,7 @@ import tempfile
 import jax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from jax_flash import benchmark  # noqa: E402
+from jax_flash import _benchmark as benchmark  # noqa: E402
 
 
 def kernel_times(impl: str, config: benchmark.Config, steps: int) -> dict:

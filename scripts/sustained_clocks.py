@@ -22,7 +22,7 @@ import time
 import jax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from jax_flash import benchmark  # noqa: E402
+from jax_flash import _benchmark as benchmark  # noqa: E402
 
 SAMPLE_FIELDS = "clocks.sm,power.draw,temperature.gpu"
 WARMUP_SECONDS = 0.5  # long enough for the clock to leave its idle boost

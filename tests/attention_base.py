@@ -16,7 +16,7 @@ import pytest
 import jax_flash
 import numerics
 from attention_sinks import SinksSpec
-from jax_flash import reference
+from jax_flash import _reference as reference
 
 
 def run_attention(q, k, v, dout, implementation, **kwargs):

@@ -2,7 +2,7 @@
 base of ``attention_base.AttentionTestBase``, so every backend class runs it.
 
 The truth is ``reference.attention_reference`` with the sink as one more
-softmax column (in float64), independent of ``jax_flash/sinks.py``, which
+softmax column (in float64), independent of ``jax_flash/_sinks.py``, which
 folds the sink into the kernels' ``(out, lse)``. Gradients flow from random
 cotangents of both ``out`` and ``lse`` (a loss through the lse is how the
 sink's gradient mixes the two), to q, k, v and the sinks.
@@ -18,7 +18,7 @@ import pytest
 
 import jax_flash
 import numerics
-from jax_flash import reference
+from jax_flash import _reference as reference
 
 NAMES = ("out", "lse", "dq", "dk", "dv", "dsinks")
 

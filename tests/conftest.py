@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_flash
-from jax_flash import api
+from jax_flash import _api as api
 
 
 @pytest.fixture(autouse=True)

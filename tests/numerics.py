@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import reference
+from jax_flash import _reference as reference
 
 
 def random_qkv(seed, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, dtype, head_dim_v=None):

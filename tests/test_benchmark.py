@@ -13,8 +13,8 @@ import pytest
 
 import jax_flash
 from jax_flash import __main__ as jax_flash_main
-from jax_flash import benchmark
-from jax_flash import configs as jax_flash_configs
+from jax_flash import _benchmark as benchmark
+from jax_flash import _configs as jax_flash_configs
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import add_run  # noqa: E402

@@ -16,7 +16,7 @@ SCRIPT = textwrap.dedent(r"""
     import json
     import jax, jax.numpy as jnp, numpy as np
     import jax_flash
-    from jax_flash import ffi
+    from jax_flash import _ffi as ffi
 
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (2, 300, 8, 128), jnp.bfloat16)

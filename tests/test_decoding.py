@@ -10,7 +10,10 @@ import pytest
 
 import jax_flash
 import numerics
-from jax_flash import ffi, head_packing, kv_split, paged
+from jax_flash import _ffi as ffi
+from jax_flash import _head_packing as head_packing
+from jax_flash import _kv_split as kv_split
+from jax_flash import _paged as paged
 
 
 def group(seq_q, diag_offset, window_left, window_right, heads_kv=2, seq_k=100):

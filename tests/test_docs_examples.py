@@ -26,7 +26,7 @@ import textwrap
 
 import pytest
 
-from jax_flash import api
+from jax_flash import _api as api
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import jax_flash
-import jax_flash.configs
-from jax_flash import api, ffi, reference, validation
+import jax_flash._configs
+from jax_flash import _api as api, _ffi as ffi, _reference as reference, _validation as validation
 
 import numerics
 from attention_base import run_attention
@@ -118,26 +118,26 @@ def test_unknown_implementation():
 
 
 def test_gpu_unsupported_head_dim():
-  reason = jax_flash.configs.GPU.unsupported_reason(jnp.bfloat16, 40, 40)
+  reason = jax_flash._configs.GPU.unsupported_reason(jnp.bfloat16, 40, 40)
   assert reason == "the gpu kernels support head_dim in (64, 96, 128, 192, 256), got 40"
 
 
 def test_gpu_value_head_dim():
-  gpu = jax_flash.configs.GPU
+  gpu = jax_flash._configs.GPU
   assert gpu.unsupported_reason(jnp.bfloat16, 192, 128) is None
   assert gpu.value_padding(192, 128) == 64 and gpu.value_padding(128, 128) == 0
   # DeepSeek's 192 / 128 has Hopper kernels of its own; other pairs pad.
   assert gpu.value_padding(192, 128, hopper_kernels=True) == 0
   assert gpu.value_padding(256, 128, hopper_kernels=True) == 128
   # The Hopper backward hands what it has no variant for to the sm80 kernels.
-  serves = functools.partial(jax_flash.configs.sm90_backward_serves, deterministic=False,
+  serves = functools.partial(jax_flash._configs.sm90_backward_serves, deterministic=False,
                              has_segments=False, softcap=False, batch=2, heads_kv=8)
   assert serves() and serves(deterministic=True) and serves(has_segments=True)
   assert serves(softcap=True)
   assert not serves(deterministic=True, has_segments=True)
   assert not serves(softcap=True, deterministic=True) and not serves(softcap=True, has_segments=True)
   assert not serves(batch=65536) and not serves(heads_kv=65536)
-  assert jax_flash.configs.CPU.value_padding(192, 128) == 0
+  assert jax_flash._configs.CPU.value_padding(192, 128) == 0
   reason = gpu.unsupported_reason(jnp.bfloat16, 128, 192)
   assert reason == "the gpu kernels need head_dim_v <= head_dim, got head_dim=128, head_dim_v=192"
 
@@ -355,7 +355,7 @@ def test_forcing_gpu_without_gpu_raises():
 
 
 def test_gpu_dtype_unsupported():
-  reason = jax_flash.configs.GPU.unsupported_reason(jnp.float32, 64, 64)
+  reason = jax_flash._configs.GPU.unsupported_reason(jnp.float32, 64, 64)
   assert reason == "the gpu kernels support dtypes float16, bfloat16, got float32"
 
 
@@ -409,7 +409,7 @@ def test_empty_keys_give_zero_output_and_finite_gradients():
 
 def test_handler_rejects_inconsistent_buffers():
   """The C++ handler validates again and returns an error, never aborts."""
-  from jax_flash import ffi
+  from jax_flash import _ffi as ffi
   cpu = jax.devices("cpu")[0]
   q, k, v = jax.device_put(qkv(), cpu)
   call = ffi.KernelCall(backend="cpu", scale=0.125, diag_offset=0, window_left=-1, window_right=-1)

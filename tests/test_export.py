@@ -18,7 +18,7 @@ import pytest
 from jax import export
 
 import jax_flash
-from jax_flash import ffi
+from jax_flash import _ffi as ffi
 
 # jax.export's serialization needs flatbuffers (not a jax dependency).
 pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
@@ -109,7 +109,7 @@ def test_modules_exported_before_v2_keep_running():
   """A module serialized with ABI v1 calls jax_flash_cpu_{fwd,bwd}_v1 with
   v1's operands and attributes (no softcap, no deterministic, three backward
   outputs); those handlers stay registered and agree with today's call."""
-  from jax_flash import ffi
+  from jax_flash import _ffi as ffi
 
   q, k, v = qkv(seed=3)
   lens = (jnp.full((2,), q.shape[1], jnp.int32), jnp.full((2,), k.shape[1], jnp.int32))

@@ -195,7 +195,7 @@ TINY_CLI = ["--cpu-sizes", "--layers", "1", "--width", "32", "--mlp", "64", "--r
 
 @pytest.mark.slow
 def test_serve_mode_writes_a_results_row(tmp_path, capsys):
-  from jax_flash import benchmark
+  from jax_flash import _benchmark as benchmark
   results = tmp_path / "cpu-serve.json"
   report = generate.main(["--attention", "jax_flash", "--results",
                           str(results), *TINY_CLI])
@@ -214,7 +214,7 @@ def test_serve_mode_writes_a_results_row(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_both_attentions_and_the_speedup(tmp_path, capsys):
-  from jax_flash import benchmark
+  from jax_flash import _benchmark as benchmark
   results = tmp_path / "cpu-serve.json"
   generate.main(["--results", str(results), *TINY_CLI])
   printed = capsys.readouterr().out
@@ -246,7 +246,7 @@ def test_hopper_kernel_serves_and_is_batch_invariant():
   engine = generate.Engine(params, model, serve, one_device_mesh(), "jax_flash")
   requests = requests_of([(n * 3, m * 2) for n, m in LENGTHS])
   engine.run(requests)
-  assert generate.jax_flash.paged._PAGED_TARGET in engine._compiled[None].as_text()
+  assert generate.jax_flash._paged._PAGED_TARGET in engine._compiled[None].as_text()
   assert [len(r.tokens) for r in requests] == [m * 2 for _, m in LENGTHS]
   check_greedy_tokens(params, requests, model, serve)
   for temperature in (0.0, 1.0):

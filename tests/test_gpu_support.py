@@ -12,7 +12,11 @@ import jax.numpy as jnp
 import pytest
 
 import jax_flash
-from jax_flash import _gpu_support, api, configs, ffi, validation
+from jax_flash import _gpu_support
+from jax_flash import _api as api
+from jax_flash import _configs as configs
+from jax_flash import _ffi as ffi
+from jax_flash import _validation as validation
 
 SHAPES = validation.Shapes(batch=1, seq_q=128, seq_k=128, heads_q=2, heads_kv=2, head_dim=128,
                            head_dim_v=128)
@@ -57,7 +61,7 @@ def test_unavailable_reason(gpu, monkeypatch):
 
 def test_routing(gpu):
   if api._gpu_unavailable_reason is not _gpu_support.gpu_unavailable_reason:
-    pytest.skip("jax_flash/api.py does not route through _gpu_support yet (issue 48's hook)")
+    pytest.skip("jax_flash/_api.py does not route through _gpu_support yet (issue 48's hook)")
   gpu((12, 0), "NVIDIA GeForce RTX 5090")
   assert api.select_backend(None, "gpu", jnp.bfloat16, SHAPES) == "xla"
   for implementation in ("flash", "gpu"):

@@ -127,7 +127,7 @@ def test_sm80_shared_memory_table_matches_the_kernels():
   """configs.SM80_SHARED_MEMORY, by which GPUs with 99 KiB per block are
   routed (jax_flash/_gpu_support.py), is what the sm_80 kernels allocate."""
   pytest.importorskip("cutlass")
-  from jax_flash import configs
+  from jax_flash import _configs as configs
   root = pathlib.Path(__file__).resolve().parents[1] / "cuda_src"
   forward = _load(root / "fwd_sm80" / "kernel.py", "fwd_sm80_kernel")
   backward = _load(root / "bwd_sm80" / "kernel.py", "bwd_sm80_kernel")
@@ -140,7 +140,12 @@ def test_sm80_shared_memory_table_matches_the_kernels():
 
 
 def _load(path, name):
+  """A kernel module, with its folder first on the path for its siblings."""
   spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  sys.path.insert(0, str(path.parent))
+  try:
+    spec.loader.exec_module(module)
+  finally:
+    sys.path.remove(str(path.parent))
   return module

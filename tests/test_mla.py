@@ -19,7 +19,7 @@ import pytest
 
 import jax_flash
 import numerics
-from jax_flash import mla, mla_fp8
+from jax_flash import _mla as mla, _mla_fp8 as mla_fp8
 
 PAGE = mla_fp8.PAGE_SIZE
 LATENT, WIDTH = mla_fp8.LATENT_DIM, mla_fp8.HEAD_DIM

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import jax_flash.nn
-from jax_flash import reference
+from jax_flash import _reference as reference
 
 FEATURES = 32
 HEADS = 4

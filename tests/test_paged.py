@@ -11,7 +11,7 @@ import pytest
 
 import jax_flash
 import numerics
-from jax_flash import paged
+from jax_flash import _paged as paged
 
 
 def make_batch(seed, cache_lengths, query_lengths, *, page_size, heads_q=8, heads_kv=2,
@@ -619,7 +619,7 @@ def test_partitioning_of_split_outputs():
   heads like the real one, without collectives."""
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
-  from jax_flash import sharding
+  from jax_flash import _sharding as sharding
   if len(jax.devices()) < 8:
     pytest.skip(f"needs 8 devices, {jax.default_backend()} has {len(jax.devices())}")
   splits = 3

@@ -19,7 +19,7 @@ each CTA narrows its query range to the union of its keys' q_bounds and
 compares ids on every visited tile (the bounds only say where visible
 queries can be, not that every query inside them is visible).
 
-NaN and Inf: nan_guard.py (a tile whose pairs are all visible runs the code
+NaN and Inf: sm80_nan_guard.py (a tile whose pairs are all visible runs the code
 it ran before).
 """
 
@@ -50,7 +50,7 @@ from common.dsl_common import (
 )
 from common.hidden_pairs import HIDDEN, zero_where_hidden
 from common.segment_tiles import MIXED, segment_key
-from nan_guard import check_keys, poison_rows, zero_flagged_stage
+from sm80_nan_guard import check_keys, poison_rows, zero_flagged_stage
 
 LOG2E = math.log2(math.e)
 NUM_THREADS = 256  # 8 warps
@@ -355,7 +355,7 @@ class FlashBwdSm80:
         tdOsdO = gmem_thr.partition_D(sdO)
 
         if n_iters > 0:
-            # Zeros past kv_len (nan_guard.py); K and V in a group of their own.
+            # Zeros past kv_len (sm80_nan_guard.py); K and V in a group of their own.
             self._load_rows(gmem_copy_tile, gmem_thr, mK[batch, None, kv_head, None], sK, n_block, kv_len, N)
             self._load_rows(gmem_copy_tile, gmem_thr, mV[batch, None, kv_head, None], sV, n_block, kv_len, N)
             cute.arch.cp_async_commit_group()
@@ -364,7 +364,7 @@ class FlashBwdSm80:
                 gmem_copy_tile, gmem_thr, gmem_copy_stat, tQcQ, tQsQ, tdOsdO, seqlen_q, tidx,
             )
         cute.arch.cp_async_commit_group()
-        # K's NaN and Inf, once (nan_guard.py); nonzero: every tile partial.
+        # K's NaN and Inf, once (sm80_nan_guard.py); nonzero: every tile partial.
         # With packed documents, the id of the CTA's keys (MIXED: several).
         bad_keys = Int32(0)
         keys_id = Int32(0)
@@ -417,7 +417,7 @@ class FlashBwdSm80:
                 and n0 - (m0 + M - 1) >= lo
                 and (n0 + N - 1) - m0 <= hi
             )
-            # NaN and Inf (nan_guard.py) on a partial tile, with documents
+            # NaN and Inf (sm80_nan_guard.py) on a partial tile, with documents
             # also on one whose rows or keys carry another id or several (the
             # same answer in every warp: votes; said so, see check_keys). The
             # rows' ids read here rather than with row_seg: less spill.

@@ -69,7 +69,7 @@ def store_dq_fragments(acc: cute.Tensor, tile: cute.Pointer, wg, warp, lane):
     value pair p of lane l lies at 64 p + 2 l: a warp's 8-byte stores of one
     pair fill 256 contiguous bytes, free of bank conflicts (the swizzled
     (rows, cols) tile took two wavefronts per store; tile_config.py).
-    jax_flash/ffi.py reads the element order back: pair p = h + 2 j holds
+    jax_flash/_ffi.py reads the element order back: pair p = h + 2 j holds
     rows 16 warp + 8 h + l / 4, columns wg head_dim / 2 + 8 j + 2 (l % 4) + 0, 1."""
     pairs = cute.size(acc) // 2
     block = (wg * 4 + warp) * pairs * 64 + lane * 2

@@ -25,7 +25,7 @@
 //            dims; each query tile's M x head_dim floats are contiguous, in
 //            the order of the kernel's accumulator fragments
 //            (bwd_sm90/wgmma_views.py: store_dq_fragments), which
-//            jax_flash/ffi.py puts back into q's layout
+//            jax_flash/_ffi.py puts back into q's layout
 //   dk, dv   like k, v, in the input dtype
 //   dq_semaphore [batch, heads_q, dq_chains * ceil(seqlen_q / 32)] int32,
 //            scratch of the deterministic backward (problem.deterministic =

@@ -6,8 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _gpu_support, configs, ffi, reference, segments, validation, vjp
-from jax_flash.sinks import add_sinks
+from jax_flash import _gpu_support
+from jax_flash import _configs as configs
+from jax_flash import _ffi as ffi
+from jax_flash import _reference as reference
+from jax_flash import _segments as segments
+from jax_flash import _validation as validation
+from jax_flash import _vjp as vjp
+from jax_flash._sinks import add_sinks
 
 
 def _platform_of(*arrays) -> str:

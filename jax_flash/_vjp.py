@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_flash import ffi, sharding
+from jax_flash import _ffi as ffi, _sharding as sharding
 
 _SECOND_ORDER = (
     "jax_flash: second-order gradients (the gradient of a gradient, Hessians) of attention "

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_flash import paged
+from jax_flash import _paged as paged
 
 LATENT_DIM = 512
 ROPE_DIM = 64

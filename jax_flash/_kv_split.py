@@ -30,7 +30,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_flash import configs, head_packing
+from jax_flash import _configs as configs, _head_packing as head_packing
 
 # Grid splits (H100, bench_decode.py, batch 8, 32 / 4 heads, hd128; the
 # numbers in docs/history.md, "Decoding"): from 1024 keys a split step beat
@@ -59,7 +59,7 @@ def fixed_split_applies(q, k, v, call, *, has_segments: bool, hopper: bool) -> b
   only past the grid's limit (65535 sequences x splits)."""
   if not (call.batch_invariant and hopper and call.backend == "gpu") or q.ndim != 4 or has_segments:
     return False
-  from jax_flash import paged  # paged imports ffi, which imports this module
+  from jax_flash import _paged as paged  # paged imports ffi, which imports this module
 
   batch, seq_q = q.shape[:2]
   seq_k = k.shape[1]
@@ -73,7 +73,7 @@ def fixed_split_applies(q, k, v, call, *, has_segments: bool, hopper: bool) -> b
 def fixed_split_forward(q, k, v, q_lens, kv_lens, call):
   """The forward of ``fixed_split_applies`` calls: (out, lse) as the whole
   forward gives them (rows past ``q_lens`` zero, lse ``-inf``)."""
-  from jax_flash import paged
+  from jax_flash import _paged as paged
 
   batch, seq_q = q.shape[:2]
   seq_k, heads_kv = k.shape[1:3]

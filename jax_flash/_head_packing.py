@@ -18,7 +18,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jax_flash import configs
+from jax_flash import _configs as configs
 
 
 def group(q, k, call) -> int:

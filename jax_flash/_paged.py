@@ -24,8 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _cpu_ffi, api, configs, ffi, reference, sharding, validation
-from jax_flash.sinks import add_sinks
+from jax_flash import _cpu_ffi
+from jax_flash import _api as api
+from jax_flash import _configs as configs
+from jax_flash import _ffi as ffi
+from jax_flash import _reference as reference
+from jax_flash import _sharding as sharding
+from jax_flash import _validation as validation
+from jax_flash._sinks import add_sinks
 
 _PAGED_TARGET = "jax_flash_gpu_paged_fwd_v1"
 _CPU_PAGED_TARGET = "jax_flash_cpu_paged_fwd_v1"

@@ -15,8 +15,8 @@ kernels for both formats plug in behind the same function.
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import paged, validation
-from jax_flash.mla_fp8 import (FP8_DTYPE, HEAD_DIM, LATENT_DIM, PAGE_SIZE, ROPE_DIM,
+from jax_flash import _paged as paged, _validation as validation
+from jax_flash._mla_fp8 import (FP8_DTYPE, HEAD_DIM, LATENT_DIM, PAGE_SIZE, ROPE_DIM,
                                ROPE_DTYPE, MlaFp8Cache, empty_fp8_cache, fp8_reference,
                                quantize_latent, write_fp8_cache,
                                write_token_rows)

@@ -33,7 +33,7 @@ from jax.interpreters import mlir
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flash import ffi
+from jax_flash import _ffi as ffi
 
 _LEADING = "b"  # factor name prefix for the batch dims (more than one under vmap)
 

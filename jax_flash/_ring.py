@@ -55,8 +55,12 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flash import api, ffi, segments, sharding, validation
-from jax_flash.sinks import add_sinks
+from jax_flash import _api as api
+from jax_flash import _ffi as ffi
+from jax_flash import _segments as segments
+from jax_flash import _sharding as sharding
+from jax_flash import _validation as validation
+from jax_flash._sinks import add_sinks
 
 LAYOUTS = ("contiguous", "zigzag")
 

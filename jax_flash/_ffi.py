@@ -27,7 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
-from jax_flash import _cpu_ffi, configs, head_packing, kv_split, reference
+from jax_flash import _cpu_ffi
+from jax_flash import _configs as configs
+from jax_flash import _head_packing as head_packing
+from jax_flash import _kv_split as kv_split
+from jax_flash import _reference as reference
 
 _ABI_VERSION = "v2"
 # Versions whose handlers stay registered for serialized exports (v1: no

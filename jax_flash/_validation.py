@@ -159,7 +159,7 @@ def check_lengths(lengths, name: str, batch: int):
 
 def check_sinks(sinks, heads_q: int):
   """None, or the attention sinks as a float32 [heads_q] array (one logit per
-  query head; jax_flash/sinks.py)."""
+  query head; jax_flash/_sinks.py)."""
   if sinks is None:
     return None
   if not hasattr(sinks, "dtype"):
