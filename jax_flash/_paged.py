@@ -28,6 +28,7 @@ from jax_flash import _cpu_ffi
 from jax_flash import _api as api
 from jax_flash import _configs as configs
 from jax_flash import _ffi as ffi
+from jax_flash import _paged_fp8 as paged_fp8
 from jax_flash import _reference as reference
 from jax_flash import _sharding as sharding
 from jax_flash import _validation as validation
@@ -77,6 +78,8 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
       sequence's ``query_lengths`` are padding (zero output, lse ``-inf``).
     k_pages: ``[num_pages, page_size, heads_kv, head_dim]``; ``heads_q`` a
       multiple of ``heads_kv``; ``page_size`` a multiple of 16 up to 256.
+      Or an ``Fp8Pages`` (FP8 codes and a float32 scale per token and kv
+      head; then ``v_pages`` too, and q any float dtype; docs/fp8.md).
     v_pages: ``[num_pages, page_size, heads_kv, head_dim_v]``.
     page_table: int32 ``[batch, max_pages]``: token ``i`` of sequence ``b``
       sits in page ``page_table[b, i // page_size]`` at row ``i %
@@ -119,6 +122,11 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
     ``out [batch, max_new_tokens, heads_q, head_dim_v]``, or ``(out, lse)``.
   """
   validation.check_implementation(implementation, (None, "flash", "xla"))
+  if isinstance(k_pages, paged_fp8.Fp8Pages) or isinstance(v_pages, paged_fp8.Fp8Pages):
+    return _paged_attention_fp8(
+        q, k_pages, v_pages, page_table, cache_lengths, query_lengths=query_lengths,
+        causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks,
+        kv_split_size=kv_split_size, return_lse=return_lse, implementation=implementation)
   shapes = _check_paged(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
                         kv_split_size)
   scale = validation.check_scale(scale, shapes["head_dim"])
@@ -166,7 +174,24 @@ def write_paged_cache(k_pages, v_pages, k, v, page_table, cache_lengths, query_l
   ``query_lengths[b]`` and tokens whose page id lies outside the pool are
   dropped. Returns the new ``(k_pages, v_pages)``: under ``jit`` with the
   pages donated (``donate_argnums``) XLA writes them in place.
+
+  With ``Fp8Pages`` pools, ``k`` / ``v`` may have any float dtype: each
+  token and kv head is quantised (``quantize_fp8``'s rule) and its codes
+  and scale written.
   """
+  fp8_pools = [isinstance(p, paged_fp8.Fp8Pages) for p in (k_pages, v_pages)]
+  if any(fp8_pools):
+    for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
+      paged_fp8.check_pages(name, pages)
+    (k_codes, k_scales), (v_codes, v_scales) = map(paged_fp8.quantize_tokens, (k, v))
+    new_k, new_v = write_paged_cache(k_pages.values, v_pages.values, k_codes, v_codes,
+                                     page_table, cache_lengths, query_lengths)
+    pages, slots = _token_slots(page_table, cache_lengths, query_lengths, *k_codes.shape[:2],
+                                *new_k.shape[:2])
+    return (paged_fp8.Fp8Pages(new_k, paged_fp8.write_scales(k_pages.scales, k_scales, pages,
+                                                             slots)),
+            paged_fp8.Fp8Pages(new_v, paged_fp8.write_scales(v_pages.scales, v_scales, pages,
+                                                             slots)))
   for name, new, pages in (("k", k, k_pages), ("v", v, v_pages)):
     if jnp.ndim(new) != 4 or jnp.ndim(pages) != 4 or jnp.shape(new)[2:] != jnp.shape(pages)[2:]:
       raise ValueError(f"{name} must be [batch, max_new_tokens, heads_kv, dim] with the "
@@ -180,6 +205,23 @@ def write_paged_cache(k_pages, v_pages, k, v, page_table, cache_lengths, query_l
     raise ValueError(f"v must have k's leading shape {(batch, max_new)}, got {jnp.shape(v)[:2]}")
   num_pages, page_size = jnp.shape(k_pages)[:2]
   _check_table(page_table, cache_lengths, query_lengths, batch, max_new, num_pages, page_size)
+  pages, slots = _token_slots(page_table, cache_lengths, query_lengths, batch, max_new,
+                              num_pages, page_size)
+  rows = pages * page_size + slots  # dropped tokens: past the pool's last row
+
+  def scatter(pool, new):
+    flat = pool.reshape(num_pages * page_size, *pool.shape[2:])
+    flat = flat.at[rows.reshape(-1)].set(new.reshape(-1, *new.shape[2:]), mode="drop",
+                                         unique_indices=False)
+    return flat.reshape(pool.shape)
+
+  return scatter(k_pages, k), scatter(v_pages, v)
+
+
+def _token_slots(page_table, cache_lengths, query_lengths, batch, max_new, num_pages, page_size):
+  """``(page, slot)`` int32 ``[batch, max_new]`` of each new token; tokens
+  that are not written (padding rows, positions outside the table, page ids
+  outside the pool) get page ``num_pages``, past the pool."""
   if query_lengths is None:
     query_lengths = jnp.full((batch,), max_new, jnp.int32)
   positions = (jnp.asarray(cache_lengths, jnp.int32)[:, None]
@@ -189,15 +231,38 @@ def write_paged_cache(k_pages, v_pages, k, v, page_table, cache_lengths, query_l
   written = ((jnp.arange(max_new)[None] < jnp.asarray(query_lengths)[:, None]) & (positions >= 0)
              & (positions < jnp.shape(page_table)[1] * page_size)
              & (pages >= 0) & (pages < num_pages))
-  rows = jnp.where(written, pages * page_size + positions % page_size, num_pages * page_size)
+  return jnp.where(written, pages, num_pages), positions % page_size
 
-  def scatter(pool, new):
-    flat = pool.reshape(num_pages * page_size, *pool.shape[2:])
-    flat = flat.at[rows.reshape(-1)].set(new.reshape(-1, *new.shape[2:]), mode="drop",
-                                         unique_indices=False)
-    return flat.reshape(pool.shape)
 
-  return scatter(k_pages, k), scatter(v_pages, v)
+def _paged_attention_fp8(q, k_pages, v_pages, page_table, cache_lengths, *, query_lengths,
+                         implementation, **kwargs):
+  """paged_attention on ``Fp8Pages``: each sequence's pages gathered and
+  dequantised to float32, then the float32 call (the CPU kernel on a CPU,
+  the XLA composition elsewhere); out in q's dtype."""
+  for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
+    paged_fp8.check_pages(name, pages)
+  if jnp.ndim(q) != 4:
+    raise ValueError("q must have rank 4 [batch, max_new_tokens, heads_q, head_dim], got shape "
+                     f"{jnp.shape(q)}")
+  dtype = jnp.result_type(q)
+  if dtype not in validation.DTYPES:
+    raise ValueError(f"q must be float32, bfloat16 or float16 with an FP8 cache, got {dtype}")
+  if implementation == "flash" and api._platform_of(q) == "gpu":
+    raise NotImplementedError("implementation='flash': the Hopper FP8 paged kernel is not built "
+                              "yet; implementation=None runs the XLA composition")
+  num_pages, page_size = jnp.shape(k_pages.values)[:2]
+  if page_size % _PAGE_ALIGN or not _PAGE_ALIGN <= page_size <= _MAX_PAGE_SIZE:
+    raise ValueError(f"page_size must be a multiple of {_PAGE_ALIGN} from {_PAGE_ALIGN} to "
+                     f"{_MAX_PAGE_SIZE}, got {page_size}")
+  _check_table(page_table, cache_lengths, query_lengths, *jnp.shape(q)[:2], num_pages, page_size)
+  page_table = jnp.asarray(page_table, jnp.int32)
+  result = paged_attention(
+      jnp.asarray(q, jnp.float32), paged_fp8.gather_dequantized(k_pages, page_table),
+      paged_fp8.gather_dequantized(v_pages, page_table), paged_fp8.own_pages_table(page_table),
+      cache_lengths, query_lengths=query_lengths, implementation=implementation, **kwargs)
+  if kwargs["return_lse"]:
+    return result[0].astype(dtype), result[1]
+  return result.astype(dtype)
 
 
 def paged_attention_reference(q, k_pages, v_pages, page_table, cache_lengths, query_lengths, *,
