@@ -12,6 +12,8 @@ Inputs, ``[batch, seq, heads, head_dim]`` (GQA 8 query / 2 kv heads):
   of trained models share), q then scaled by 1e-3 so that the logits keep
   a standard deviation near 2 (a scale on q is what the softmax scale
   does; per-tensor scaling is blind to it).
+* ``key-outlier-channels``: four channels of k alone 100x larger, q
+  standard normal (logits with a standard deviation near 18).
 * ``sparse-outliers``: FlashAttention-3's test inputs: q, k, v standard
   normal plus, at 0.1% of the entries, N(0, 10^2).
 
@@ -52,7 +54,7 @@ from jax_flash import _reference as reference
 SCHEMES = ("tensor", "head", "block", "block+hadamard")
 BLOCK = 64
 OUTLIER = 100.0
-INPUTS = ("gaussian", "outlier-channels", "sparse-outliers")
+INPUTS = ("gaussian", "outlier-channels", "key-outlier-channels", "sparse-outliers")
 
 
 def make_inputs(kind, seed, batch, seq, heads_q, heads_kv, head_dim):
@@ -64,6 +66,8 @@ def make_inputs(kind, seed, batch, seq, heads_q, heads_kv, head_dim):
     channels = np.random.default_rng(seed).choice(head_dim, 4, replace=False)
     q = q.at[..., channels].multiply(OUTLIER) * 1e-3
     k = k.at[..., channels].multiply(OUTLIER)
+  elif kind == "key-outlier-channels":
+    k = k.at[..., np.random.default_rng(seed).choice(head_dim, 4, replace=False)].multiply(OUTLIER)
   elif kind == "sparse-outliers":
     def sparse(x, key):
       hit = jax.random.uniform(key, x.shape) < 1e-3

@@ -79,7 +79,8 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
     k_pages: ``[num_pages, page_size, heads_kv, head_dim]``; ``heads_q`` a
       multiple of ``heads_kv``; ``page_size`` a multiple of 16 up to 256.
       Or an ``Fp8Pages`` (FP8 codes and a float32 scale per token and kv
-      head; then ``v_pages`` too, and q any float dtype; docs/fp8.md).
+      head; then ``v_pages`` too, q float32, bfloat16 or float16, the
+      output in q's dtype; docs/fp8.md).
     v_pages: ``[num_pages, page_size, heads_kv, head_dim_v]``.
     page_table: int32 ``[batch, max_pages]``: token ``i`` of sequence ``b``
       sits in page ``page_table[b, i // page_size]`` at row ``i %
@@ -245,7 +246,7 @@ def _paged_attention_fp8(q, k_pages, v_pages, page_table, cache_lengths, *, quer
     raise ValueError("q must have rank 4 [batch, max_new_tokens, heads_q, head_dim], got shape "
                      f"{jnp.shape(q)}")
   dtype = jnp.result_type(q)
-  if dtype not in validation.DTYPES:
+  if dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
     raise ValueError(f"q must be float32, bfloat16 or float16 with an FP8 cache, got {dtype}")
   if implementation == "flash" and api._platform_of(q) == "gpu":
     raise NotImplementedError("implementation='flash': the Hopper FP8 paged kernel is not built "

@@ -111,8 +111,9 @@ class Fp8Checks:
     else:  # blocks that do not divide the sequences
       self.check(seq_q=300, seq_k=170, heads_q=6, heads_kv=3, causal=True, block_size=64)
 
-  @pytest.mark.parametrize("seq_q,seq_k", [(1, 1), (17, 17), (17, 1000), (1000, 17),
-                                           (1, 4097)])
+  @pytest.mark.parametrize("seq_q,seq_k", [
+      (17, 1000), (1, 4097), pytest.param(1, 1, marks=pytest.mark.slow),
+      pytest.param(17, 17, marks=pytest.mark.slow), pytest.param(1000, 17, marks=pytest.mark.slow)])
   def test_awkward_lengths(self, seq_q, seq_k):
     self.check(batch=1, seq_q=seq_q, seq_k=seq_k, heads_q=2, heads_kv=1, causal=True)
 
