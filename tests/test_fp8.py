@@ -394,3 +394,18 @@ def test_paged_fp8_errors():
     call(k_pages=k_pages._replace(values=k_pages.values.astype(jnp.bfloat16)))
   with pytest.raises(ValueError, match=r"page_table\[1, 0\] = 99 .* page ids must be in"):
     call(page_table=inputs["page_table"].at[1, 0].set(99))
+
+
+@pytest.mark.gpu
+def test_gpu_flash_raises_and_default_runs_xla():
+  """No FP8 kernel on the GPU yet: "flash" says so, None runs the XLA
+  composition (the same bits as "xla")."""
+  codes, descales = quantized_qkv(6, 2, 64, 64, 4, 2, 128)
+  with pytest.raises(NotImplementedError, match="Hopper FP8 attention kernel is not built yet"):
+    jax_flash.fp8_attention(*codes, *descales, implementation="flash")
+  for g, w in zip(run_fp8(codes, descales, None, causal=True),
+                  run_fp8(codes, descales, "xla", causal=True)):
+    np.testing.assert_array_equal(g, w)
+  inputs, _, _ = fp8_batch(7, [100, 7], [1, 2], page_size=16)
+  with pytest.raises(NotImplementedError, match="Hopper FP8 paged kernel is not built yet"):
+    jax_flash.paged_attention(**inputs, implementation="flash")
