@@ -44,7 +44,8 @@ def quantize_fp8(x, *, granularity: str = "head", block_size: int = 128):
   (1/448)``, ``codes = e4m3(x * (1 / descale))``, rounding to nearest even,
   each step one IEEE float32 operation (so numpy, XLA on any platform and a
   kernel's ``rcp.rn`` / ``cvt.rn.satfinite`` give the same codes). A group
-  that is all zeros, or whose amax underflows, gets a descale of 1. NaN and
+  that is all zeros, or whose descale would fall below float32's normal
+  range (amax below about 5e-36), gets a descale of 1. NaN and
   +-Inf entries become NaN codes (e4m3fn has no Inf) and do not enter the
   amax, so a poisoned position (padding, an unused slot) spoils only
   itself, not its group's scale.
@@ -73,8 +74,10 @@ def quantize_fp8(x, *, granularity: str = "head", block_size: int = 128):
 
 
 def _descale_of(amax):
+  """``amax * (1/448)``, or 1 where that is below float32's normal range
+  (a zero group; else ``1 / descale`` could overflow, and 0 * Inf is NaN)."""
   descale = amax * jnp.float32(1 / FP8_MAX)
-  return jnp.where(descale > 0, descale, jnp.float32(1))
+  return jnp.where(descale >= jnp.finfo(jnp.float32).tiny, descale, jnp.float32(1))
 
 
 def _per_row(descale, seq: int, block_size: int | None):
@@ -88,8 +91,8 @@ def _per_row(descale, seq: int, block_size: int | None):
 
 
 def _check_block_size(block_size) -> int:
-  if isinstance(block_size, (bool, np.bool_)) or not isinstance(block_size, (int, np.integer)) \
-      or block_size <= 0:
+  is_int = isinstance(block_size, (int, np.integer)) and not isinstance(block_size, (bool, np.bool_))
+  if not is_int or block_size <= 0:
     raise ValueError(f"block_size must be a positive int, got {block_size!r}")
   return int(block_size)
 

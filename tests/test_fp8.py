@@ -186,6 +186,24 @@ def test_quantize_fp8_zeros_nan_and_inf():
   np.testing.assert_array_equal(got[~bad], np.asarray(codes, np.float32)[~bad])
 
 
+def test_tiny_groups_and_float16_output():
+  """A group whose descale would be subnormal gets descale 1 (its codes
+  round to zero, none NaN); float16 output is the bfloat16 maths rounded
+  to float16."""
+  tiny = jnp.zeros((1, 2, 1, 8)).at[0, 0, 0, 0].set(1e-40)
+  codes, descale = jax_flash.quantize_fp8(tiny)
+  np.testing.assert_array_equal(descale, [[1.0]])
+  np.testing.assert_array_equal(np.asarray(codes, np.float32), 0)
+  codes, descales = quantized_qkv(5, 1, 20, 30, 2, 1, 64)
+  half, lse16 = jax_flash.fp8_attention(*codes, *descales, output_dtype=jnp.float16,
+                                        return_lse=True)
+  bf16, lse = jax_flash.fp8_attention(*codes, *descales, return_lse=True)
+  assert half.dtype == jnp.float16 and bf16.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(lse16, lse)
+  np.testing.assert_allclose(np.asarray(half, np.float32), np.asarray(bf16, np.float32),
+                             rtol=2**-7, atol=1e-3)
+
+
 def test_hadamard_rotation_keeps_logits():
   q, k, _, _ = numerics.random_qkv(2, 1, 33, 47, 2, 2, 128, jnp.float32)
   q = q.at[..., 7].multiply(100.0)
