@@ -12,6 +12,7 @@
 #define JAX_FLASH_CPU_ATTENTION_CPU_SIMD_H_
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #ifndef JAX_FLASH_CPU_CLONES
@@ -153,10 +154,16 @@ JF_ALWAYS_INLINE void tile_product(const float* a, int64_t a_row, int64_t a_col,
 
 enum class CpuIsa { kBaseline, kAvx2, kAvx512 };
 
+// The widest instruction set this CPU runs, capped by the environment
+// variable JAX_FLASH_CPU_ISA ("avx2" or "baseline"), which lets the tests run
+// the narrower copies on a wider CPU.
 inline CpuIsa detect_isa() {
+  const char* cap = std::getenv("JAX_FLASH_CPU_ISA");
+  if (cap != nullptr && std::strcmp(cap, "baseline") == 0) return CpuIsa::kBaseline;
 #if JAX_FLASH_CPU_CLONES
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("x86-64-v4")) return CpuIsa::kAvx512;
+  const bool avx2_only = cap != nullptr && std::strcmp(cap, "avx2") == 0;
+  if (!avx2_only && __builtin_cpu_supports("x86-64-v4")) return CpuIsa::kAvx512;
   if (__builtin_cpu_supports("x86-64-v3")) return CpuIsa::kAvx2;
 #endif
   return CpuIsa::kBaseline;
