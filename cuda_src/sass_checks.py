@@ -5,7 +5,8 @@ The one check so far guards the Hopper forward's intra-warpgroup overlap:
 ptxas schedules the wait for the PV GEMM (`WARPGROUP.DEPBAR.LE gsb0, 0x0`)
 as early as its dependencies allow, and unless the kernel anchors it (see
 `_consume` in fwd_sm90/kernel.py) it lands above the softmax, which then no
-longer overlaps that GEMM: about 4% of the forward at hd128 (results run 15).
+longer overlaps that GEMM, a few percent of the forward
+(docs/history.md, "Evidence from the kernels' comments").
 
 It needs `cuobjdump` and the `nvdisasm` it calls: named by $CUOBJDUMP, on
 PATH (CUDA toolkit) or from the pip packages nvidia-cuda-cuobjdump and

@@ -7,6 +7,11 @@ each behaviour on the CPU kernels (``TestCpu``: bfloat16, head dim 64), and
 and head dim they serve.
 """
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax.numpy as jnp
 import pytest
 
@@ -64,6 +69,29 @@ class TestCpu(AttentionTestBase):
 
   def test_sinks_match_reference(self):
     super().test_sinks_match_reference("causal-gqa")
+
+  @pytest.mark.parametrize("isa", ["avx2", "baseline"])
+  def test_narrower_instruction_sets(self, isa):
+    # The kernels are compiled once per instruction set and run the widest
+    # this CPU has; JAX_FLASH_CPU_ISA caps it (read once per process), so a
+    # child process checks the narrower copies' tile edges and masks, and
+    # the paged kernel's.
+    checks = """
+import jax.numpy as jnp
+from test_backends import TestCpu
+from test_paged import TestPagedCpuKernel
+cpu = TestCpu()
+cpu.check(batch=1, seq_q=17, seq_k=1000, heads_q=2, heads_kv=1, causal=True)
+cpu.check(seq_q=113, seq_k=241, head_dim=128, dtype=jnp.float32, window=(40, 3), softcap=1.5)
+cpu.check(seq_q=200, seq_k=333, head_dim=192, head_dim_v=128, causal=True, deterministic=True)
+TestPagedCpuKernel().test_matches_float64(jnp.bfloat16)
+"""
+    tests = pathlib.Path(__file__).parent
+    env = {**os.environ, "JAX_FLASH_CPU_ISA": isa,
+           "PYTHONPATH": os.pathsep.join(filter(None, (str(tests), os.environ.get("PYTHONPATH"))))}
+    result = subprocess.run([sys.executable, "-c", checks], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 # Cases of the specification that the quick suite leaves to TestCpuSweep:

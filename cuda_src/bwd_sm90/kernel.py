@@ -125,10 +125,9 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers, DqHandOff):
         self.has_segments = has_segments
         self.has_softcap = has_softcap
         # 1 - tanh^2 is kept in a fragment next to P where that fits (the
-        # split layout: 16 floats per thread; 32 at hd64-128 spilled). Else
-        # it is recovered from P, which cost the split layout at hd256 4%
-        # causal (results run 95: 289 / 360 against 304 / 374 TFLOPS at 2k
-        # / 8k).
+        # split layout), else recovered from P: the fragment spilled in the
+        # unsplit layouts, and recovering was slower where it fits
+        # (docs/history.md, "Evidence from the kernels' comments").
         self.slope_from_probability = has_softcap and not cfg.split_head_dim
         self.m_block = cfg.m_block
         self.n_block = cfg.n_block
@@ -264,14 +263,9 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers, DqHandOff):
 
         n_blocks, kv_heads = cute.ceil_div(mK.shape[1], N), mK.shape[2]
         # The deterministic variant launches the KV tiles of a head last to
-        # first (kernel()), one head after another. Under a causal mask its
-        # turns once went from the first KV tile that sees a query tile up,
-        # walking the tiles last to first, where launching heads first
-        # helped (H100, seq 8192, deterministic over default: hd192 0.64
-        # against 0.58, run 26); with turns from the last KV tile down,
-        # heads first collapsed (run 58, seq 4096: hd192 158 against 303
-        # TFLOPS) and KV tiles first runs 0.86-0.99 at every head dim (run
-        # 59).
+        # first (kernel()), one head after another: with turns from the last
+        # KV tile down, launching heads first collapsed
+        # (docs/history.md, "Evidence from the kernels' comments").
         grid = (n_blocks, kv_heads, mK.shape[0])
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_dQ, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
@@ -595,8 +589,8 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers, DqHandOff):
                 cap_scores_with_slope(acc_S, acc_slope, softcap_in)
             acc_S_mn = wgmma_acc_as_rows_cols(acc_S)
             # With dq_transposed lse comes from sStats here: read before the
-            # S^T wait instead (all 28 columns at hd64, 10 or 14 of hd128's
-            # 20: more spill) it ran no faster, hd64 slower (results run 73).
+            # S^T wait instead, it spilled more and ran no faster
+            # (docs/history.md, "Evidence from the kernels' comments").
             probabilities_in_place(acc_S_mn, stats, scale_log2)
             full_tile = (
                 m0 + M <= q_len

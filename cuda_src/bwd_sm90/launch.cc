@@ -126,12 +126,9 @@ extern "C" int jax_flash_bwd_sm90_deterministic_query_tile(int32_t head_dim, int
   return 0;
 }
 
-// Groups of KV tiles the rotated order may split a head into. H100, bf16,
-// 16 heads, 16k tokens, deterministic backward TFLOPS, non-causal, against
-// the unrotated order (results runs 139-140): two groups 384-387 against 375
-// (hd256 seq 8k), 451-462 against 447 (hd64 16k), 322 against 306 (192 /
-// 128 8k); four groups, one accumulator each, 392-394 against 401 (hd256
-// 16k), 458-462 against 467 (hd64 32k), for four times the dQ scratch.
+// Groups of KV tiles the rotated order may split a head into: two beat the
+// unrotated order, four lost for four times the dQ scratch
+// (docs/history.md, "Evidence from the kernels' comments").
 constexpr int64_t kMaxRotationGroups = 2;
 
 extern "C" int jax_flash_bwd_sm90_deterministic_dq_chains(int32_t head_dim, int32_t head_dim_v, int32_t seqlen_k) {

@@ -22,11 +22,8 @@ writer takes the leader's first half without adding it. Where a WG meets
 nobody (no buffer to wait for or to free), it syncs on barrier 0 alone
 instead of branching around the barrier, for the same reason.
 
-H100, results run 160 (bf16, 16 heads, 16k tokens, backward TFLOPS,
-non-causal / causal, three rounds in turn with the build in step and its
-control, cuDNN in the same process): hd128 seq 8192 583 / 514 against
-537-544 / 480-486 (cuDNN 515 / 458), seq 2048 490 / 380 against 456-461 /
-358-361 (cuDNN 431 / 330).
+Staggered, the backward runs faster than in step and ahead of cuDNN at hd128
+(docs/history.md, "Evidence from the kernels' comments").
 """
 
 import cutlass

@@ -30,13 +30,9 @@ LOAD_WARP = 0  # TMA loads of K, V, Q, dO
 # deterministic variant has more than one).
 DQ_WARP = 1
 # lse (times log2 e) and delta of each query tile into shared memory, one
-# tile ahead; the consumers read them there. (Loaded by the consumers
-# themselves, with the score GEMMs or one tile ahead, the loads outlasted
-# the GEMMs and the exp waited: Nsight Compute, H100, hd64.) H100 against
-# the consumers' own loads one tile ahead, same process (results run 41),
-# default / deterministic at seq 2048 and 8192: hd64 +1-8% / +7-12%, hd128
-# +1-6% / -1-+5%, hd256 -1-+3% / +2-6%; hd192 +0-1% / +2-3% except
-# deterministic causal 8192, -12% (290 against 327-328 TFLOPS).
+# tile ahead; the consumers read them there: loaded by the consumers
+# themselves, the loads outlasted the score GEMMs and the exp waited
+# (docs/history.md, "Evidence from the kernels' comments").
 STATS_WARP = DQ_WARP + MAX_DQ_WRITERS
 # setmaxnreg budgets: 24 + 2 * 240 <= 504 (64K registers / 128 threads of
 # each WG, rounded to the granularity of 8). The consumers hold dK and dV
@@ -93,12 +89,9 @@ class ProducerWarps:
         # its accumulator k % chain_count, so it waits on turn k - chain_count instead of k - 1: there a
         # head's CTAs hand each query tile on every iteration, and one hand-over (TMA add, its completion,
         # the release, the next CTA's acquire) outlasted an iteration at 64 x 64 tiles. The turns of
-        # dq_semaphore take chains entries per 32 query rows. H100, deterministic over default backward,
-        # two chains / one (results run 92), non-causal seq 2k / 4k: 192 / 128 0.90 / 0.94 against 0.85 /
-        # 0.83, hd192 0.91 / 0.92 against 0.90 / 0.87, hd256 0.86 / 0.89 against 0.87 / 0.90. In the other
-        # order (masks, and heads split into more groups than there are accumulators) they lost, not
-        # understood: causal seq 16k hd256 0.63 against 0.85, hd128 0.84 against 0.92, non-causal seq 16k
-        # 0.90-1.02 against 0.91-0.98; there the first accumulator takes every turn.
+        # dq_semaphore take chains entries per 32 query rows. In the other order (masks, and heads split
+        # into more groups than there are accumulators) several chains lost, not understood, so there the
+        # first accumulator takes every turn (docs/history.md, "Evidence from the kernels' comments").
         q_tiles = cute.ceil_div(seqlen_q, M)
         if cutlass.const_expr(not self.dq_in_stage):
             if writer == self.dq_writers - 1 and n_iters > 0:

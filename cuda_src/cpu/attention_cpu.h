@@ -107,15 +107,14 @@ inline bool is_finite(float x) {
 // x unless x is NaN, else y; branch-free.
 inline float nan_or(float x, float y) { return select(x != x, x, y); }
 
-// 2^x, branch-free so loops over it vectorise: x = n + f with n = round(x)
-// (from a truncating conversion, which no compiler flag folds away), then a
-// degree-7 Taylor polynomial of 2^f for |f| <= 1/2 (truncation error ~5e-9,
-// below half an ulp). x <= -126.5 (including -inf) gives exactly 0, which is
-// how masked and unseen scores vanish; NaN stays NaN, so a NaN score reaches
-// its row's sum and output.
-inline float exp2_poly(float x) {
-  const float nan_in = x;
-  x = select(x > -127.0f, x, -127.0f);  // NaN becomes -127 here, and back below
+// 2^x for x that is not NaN, branch-free so loops over it vectorise: x = n +
+// f with n = round(x) (from a truncating conversion, which no compiler flag
+// folds away), then a degree-7 Taylor polynomial of 2^f for |f| <= 1/2
+// (truncation error ~5e-9, below half an ulp). x <= -126.5 (including -inf)
+// gives exactly 0, which is how masked and unseen scores vanish. A NaN gives
+// 0 too: exp2_poly below is the version for scores that may be NaN.
+inline float exp2_poly_not_nan(float x) {
+  x = select(x > -127.0f, x, -127.0f);
   x = select(x < 127.0f, x, 127.0f);
   const int32_t biased = static_cast<int32_t>(x + 127.5f);  // round(x) + 127
   const float f = x - static_cast<float>(biased - 127);
@@ -127,8 +126,12 @@ inline float exp2_poly(float x) {
   p = p * f + 2.4022650695910071e-01f;
   p = p * f + 6.9314718055994531e-01f;
   p = p * f + 1.0f;
-  return nan_or(nan_in, p * bits_float(static_cast<uint32_t>(biased) << 23));
+  return p * bits_float(static_cast<uint32_t>(biased) << 23);
 }
+
+// 2^x as exp2_poly_not_nan, and NaN for NaN, so that a NaN score reaches its
+// row's sum and output.
+inline float exp2_poly(float x) { return nan_or(x, exp2_poly_not_nan(x)); }
 
 }  // namespace jax_flash_cpu
 

@@ -1,6 +1,7 @@
 // Shared pieces of the CPU attention kernels (attention_cpu_fwd.cc,
-// attention_cpu_bwd.cc): problem geometry and mask spans, tile loads and the
-// small matrix products, the thread pool, and the tile-shape dispatch.
+// attention_cpu_bwd.cc, paged_cpu.cc): problem geometry and mask spans, tile
+// loads, the online softmax of one query row, the thread pool, and the
+// tile-shape dispatch. The matrix products are attention_cpu_simd.h's.
 #ifndef JAX_FLASH_CPU_ATTENTION_CPU_TILES_H_
 #define JAX_FLASH_CPU_ATTENTION_CPU_TILES_H_
 
@@ -11,28 +12,13 @@
 #include <limits>
 #include <thread>
 
-#include "attention_cpu.h"
-#include "jax_flash/kernel_api.h"
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
-// The per-tile workers are compiled twice, for AVX2+FMA (x86-64-v3) and for the
-// baseline ISA, and glibc picks one at load time (an ifunc): about 1.8x faster
-// on current CPUs while wheels still target generic x86-64. `flatten` inlines
-// every helper so they are built for the clone's ISA too. Define
-// JAX_FLASH_CPU_CLONES=0 to build the baseline only.
-#ifndef JAX_FLASH_CPU_CLONES
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
-    defined(__GLIBC__)
-#define JAX_FLASH_CPU_CLONES 1
-#else
-#define JAX_FLASH_CPU_CLONES 0
-#endif
-#endif
-#if JAX_FLASH_CPU_CLONES
-#define JF_CPU_HOT \
-  __attribute__((target_clones("arch=x86-64-v3", "default"), flatten))
-#else
-#define JF_CPU_HOT
-#endif
+#include "attention_cpu.h"
+#include "attention_cpu_simd.h"
+#include "jax_flash/kernel_api.h"
 
 namespace jax_flash_cpu {
 
@@ -79,45 +65,33 @@ struct Geometry {
   }
 };
 
-// Turns a raw q.k product into the logit in log2 units, and gives the
-// derivative of the (natural) logit with respect to scale * q.k: 1 without a
-// cap, 1 - tanh^2 with one.
+// Logits from the scaled products x = q.k * in (the tile products apply
+// `in`): in log2 units, and the derivative of the (natural) logit with respect
+// to scale * q.k: 1 without a cap, 1 - tanh^2 with one.
 struct Logits {
   bool capped;
-  float in;       // multiplies q.k inside tanh (scale / softcap), or scale_log2
-  float out_log2; // softcap * log2(e)
+  float in;        // multiplies q.k: scale * log2(e), or scale / softcap under a cap
+  float out_log2;  // softcap * log2(e)
 
   explicit Logits(const Geometry& g)
       : capped(g.softcap > 0.0f),
         in(capped ? g.scale / g.softcap : g.scale * kLog2e),
         out_log2(g.softcap * kLog2e) {}
 
-  float log2_logit(float qk) const {
-    return capped ? out_log2 * std::tanh(qk * in) : qk * in;
-  }
-  // The forward's logit: NaN where the product is not finite (a NaN or Inf
-  // in q or k, or an overflow), so that it reaches exactly the rows that see
-  // it, as in reference.py; a cap would turn an Inf into a finite logit.
-  float log2_logit_or_nan(float qk) const {
-    const float x = qk * in;
-    return finite_or_nan(x, capped ? out_log2 * std::tanh(x) : x);
-  }
-  // The same without a cap, free of the call to tanh so that loops over it
-  // vectorise.
-  float uncapped_log2_logit_or_nan(float qk) const {
-    const float x = qk * in;
-    return finite_or_nan(x, x);
-  }
-  static float finite_or_nan(float x, float logit) {
+  // The forward's logit: NaN where x is not finite (a NaN or Inf in q or k,
+  // or an overflow), so that it reaches exactly the rows that see it, as in
+  // reference.py; a cap would turn an Inf into a finite logit.
+  float log2_logit_or_nan(float x) const {
+    const float logit = capped ? out_log2 * std::tanh(x) : x;
     return select(is_finite(x), logit, std::numeric_limits<float>::quiet_NaN());
   }
   // The log2 logit, and into *slope the derivative factor described above.
-  float log2_logit(float qk, float* slope) const {
+  float log2_logit(float x, float* slope) const {
     if (!capped) {
       *slope = 1.0f;
-      return qk * in;
+      return x;
     }
-    const float t = std::tanh(qk * in);
+    const float t = std::tanh(x);
     *slope = 1.0f - t * t;
     return out_log2 * t;
   }
@@ -179,7 +153,7 @@ inline KeySpan bounds_union(const int32_t* bounds, int64_t seqlen, int64_t b,
   return span.hi > 0 ? span : KeySpan{0, 0};
 }
 
-// ---- tile loads and small matrix products -----------------------------------
+// ---- tile loads --------------------------------------------------------------
 
 // A loaded value, or 0 where it is not finite (the backward's tiles: see
 // attention_cpu_bwd.cc).
@@ -190,35 +164,47 @@ struct FiniteOrZero {
   static float apply(float x) { return select(is_finite(x), x, 0.0f); }
 };
 
-// dst[r * ld + d] = src row r, for r < rows; rows up to pad_rows are zeroed so
-// that padding contributes exact zeros to every product.
+// The bits of |x|: ordered as the magnitudes for finite x, and at least
+// 0x7f800000 for an Inf or NaN. The loads return the largest of a tile's.
+inline uint32_t magnitude(float x) { return float_bits(x) & 0x7fffffffu; }
+inline bool is_finite_magnitude(uint32_t m) { return m < 0x7f800000u; }
+
+// dst[r * ld + c] = src row r, column c, for r < rows and c < width; the
+// columns up to ld and the rows up to pad_rows are zeroed, so that padding
+// adds exact zeros to every product. Returns the largest magnitude() loaded.
 template <class Codec, class Filter = AsLoaded>
-void load_rows(const typename Codec::Storage* src, int64_t src_stride,
-               int rows, int pad_rows, int width, int ld, float* dst) {
+uint32_t load_tile(const typename Codec::Storage* src, int64_t src_stride, int rows,
+                   int pad_rows, int width, int ld, float* dst) {
+  uint32_t largest = 0;
   for (int r = 0; r < rows; ++r) {
     const typename Codec::Storage* s = src + r * src_stride;
     float* d = dst + r * ld;
-    for (int c = 0; c < width; ++c) d[c] = Filter::apply(Codec::load(s[c]));
+    for (int c = 0; c < width; ++c) {
+      d[c] = Filter::apply(Codec::load(s[c]));
+      largest = std::max(largest, magnitude(d[c]));
+    }
+    std::fill(d + width, d + ld, 0.0f);
   }
-  for (int r = rows; r < pad_rows; ++r) {
-    std::fill(dst + r * ld, dst + r * ld + width, 0.0f);
-  }
+  std::fill(dst + rows * ld, dst + pad_rows * ld, 0.0f);
+  return largest;
 }
 
-// Transposed load: dst[c * kCols + r] = src row r, column c.
-template <class Codec, int kCols, class Filter = AsLoaded>
-void load_rows_transposed(const typename Codec::Storage* src,
-                          int64_t src_stride, int rows, int width,
-                          float* dst) {
-  for (int c = 0; c < width; ++c) {
-    std::fill(dst + c * kCols + rows, dst + (c + 1) * kCols, 0.0f);
-  }
+// Transposed: dst[c * ld + r] = src row r, column c, for r < rows and c <
+// width, and zeros for r in [rows, ld). Returns the largest magnitude().
+template <class Codec, class Filter = AsLoaded>
+uint32_t load_tile_transposed(const typename Codec::Storage* src, int64_t src_stride,
+                              int rows, int width, int ld, float* dst) {
+  uint32_t largest = 0;
+  for (int c = 0; c < width; ++c) std::fill(dst + c * ld + rows, dst + (c + 1) * ld, 0.0f);
   for (int r = 0; r < rows; ++r) {
     const typename Codec::Storage* s = src + r * src_stride;
     for (int c = 0; c < width; ++c) {
-      dst[c * kCols + r] = Filter::apply(Codec::load(s[c]));
+      const float x = Filter::apply(Codec::load(s[c]));
+      dst[c * ld + r] = x;
+      largest = std::max(largest, magnitude(x));
     }
   }
+  return largest;
 }
 
 // Whether rows [0, rows) of a width-wide tile (row stride ld) are all finite.
@@ -232,75 +218,38 @@ inline bool all_finite(const float* tile, int rows, int width, int ld) {
   return non_finite == 0;
 }
 
-// c[i][j] = sum_d a[i][d] * bt[d][j] for the first `rows` rows of a kRows x
-// kCols tile. Four d steps are fused per pass over a row of c to cut its loads
-// and stores; the sum is still accumulated in increasing d, exactly as a plain
-// loop would, so a row's products do not depend on the other rows.
-template <int kRows, int kCols>
-void matmul_abt(const float* __restrict a, const float* __restrict bt,
-                int depth, float* __restrict c, int rows = kRows) {
-  for (int i = 0; i < rows; ++i) {
-    const float* ai = a + i * depth;
-    float* ci = c + i * kCols;
-    for (int j = 0; j < kCols; ++j) ci[j] = 0.0f;
-    int d = 0;
-    for (; d + 4 <= depth; d += 4) {
-      const float a0 = ai[d], a1 = ai[d + 1], a2 = ai[d + 2], a3 = ai[d + 3];
-      const float* b0 = bt + d * kCols;
-      const float* b1 = b0 + kCols;
-      const float* b2 = b1 + kCols;
-      const float* b3 = b2 + kCols;
-      for (int j = 0; j < kCols; ++j) {
-        ci[j] = ci[j] + a0 * b0[j] + a1 * b1[j] + a2 * b2[j] + a3 * b3[j];
-      }
-    }
-    for (; d < depth; ++d) {
-      const float a0 = ai[d];
-      const float* b0 = bt + d * kCols;
-      for (int j = 0; j < kCols; ++j) ci[j] += a0 * b0[j];
-    }
-  }
+// Whether every scaled product q.k * in of rows of magnitude at most
+// q_largest and k_largest (magnitude() bits) is finite, and so is each partial
+// sum on the way: |sum| <= dim * max|q| * max|k|. Then the forward's scores
+// need no check for NaN or Inf.
+inline bool products_are_finite(uint32_t q_largest, uint32_t k_largest, int dim, float in) {
+  if (!is_finite_magnitude(q_largest) || !is_finite_magnitude(k_largest)) return false;
+  const double bound = static_cast<double>(dim) * bits_float(q_largest) *
+                       bits_float(k_largest) * std::max(1.0, std::fabs(double{in}));
+  return bound < 1e37;  // float's largest is 3.4e38; margin for rounding
 }
 
-// out[d] += sum_{k in [k0, k1)} w[k * w_stride] * m[k][d], summed in
-// increasing k (four rows per pass over out).
-inline void accumulate_rows(const float* __restrict w, int w_stride, int k0,
-                            int k1, const float* __restrict m, int width,
-                            float* __restrict out) {
-  int k = k0;
-  for (; k + 4 <= k1; k += 4) {
-    const float w0 = w[k * w_stride], w1 = w[(k + 1) * w_stride];
-    const float w2 = w[(k + 2) * w_stride], w3 = w[(k + 3) * w_stride];
-    const float* m0 = m + k * width;
-    const float* m1 = m0 + width;
-    const float* m2 = m1 + width;
-    const float* m3 = m2 + width;
-    for (int d = 0; d < width; ++d) {
-      out[d] = out[d] + w0 * m0[d] + w1 * m1[d] + w2 * m2[d] + w3 * m3[d];
-    }
-  }
-  for (; k < k1; ++k) {
-    const float w0 = w[k * w_stride];
-    const float* m0 = m + k * width;
-    for (int d = 0; d < width; ++d) out[d] += w0 * m0[d];
-  }
-}
-
-// out += sum_{k in [k0, k1)} w[k * w_stride] * m[k][d], with the tile's sum
-// formed in `partial` first: a dK row collects thousands of query rows, and
-// summing per tile keeps its rounding error near that of a pairwise sum.
-inline void add_tile_sum(const float* __restrict w, int w_stride, int k0,
-                         int k1, const float* __restrict m, int width,
-                         float* __restrict partial, float* __restrict out) {
+// out[d] += sum_{k in [k0, k1)} w[k * w_stride] * m[k][d], the tile's sum
+// formed in `partial` first and summed in increasing k: the forward's rare
+// path for rows that see a NaN or Inf value.
+inline void add_tile_sum(const float* __restrict w, int w_stride, int k0, int k1,
+                         const float* __restrict m, int width, float* __restrict partial,
+                         float* __restrict out) {
   std::fill(partial, partial + width, 0.0f);
-  accumulate_rows(w, w_stride, k0, k1, m, width, partial);
+  for (int k = k0; k < k1; ++k) {
+    const float wk = w[k * w_stride];
+    const float* mk = m + k * width;
+    for (int d = 0; d < width; ++d) partial[d] += wk * mk[d];
+  }
   for (int d = 0; d < width; ++d) out[d] += partial[d];
 }
 
+// ---- row reductions -------------------------------------------------------------
+
 // Reductions over a row in kLanes interleaved partial results combined in a
 // fixed order: they vectorise without reassociation flags and stay
-// deterministic.
-constexpr int kLanes = 8;
+// deterministic. Rows are padded to a multiple of kPadFloats.
+constexpr int kLanes = 16;
 
 inline float row_sum(const float* __restrict x, int n) {
   float part[kLanes] = {};
@@ -334,79 +283,44 @@ inline float row_max(const float* __restrict x, int n) {
   return best;
 }
 
-// ---- one query row of the forward's online softmax -------------------------
-
-// A query row's running state: the maximum log2 logit seen, the sum of the
-// weights relative to it, and the weighted sum of value rows in `acc`.
-struct RowSoftmax {
-  float max = kNegInf;
-  float sum = 0.0f;
-  float* acc;  // head_dim_v floats, zeroed by the caller
-
-  // Takes the keys [a, e) of a tile into the row: `s` holds their raw q.k
-  // products (overwritten), `v_tile` their value rows (width dim_v). A NaN
-  // logit (Logits::log2_logit_or_nan) stays NaN through the max, sum and
-  // output: the row saw a NaN or Inf. Only keys [a, e) are read, so nothing
-  // the row does not see reaches it.
-  void add_keys(const Logits& logits, float* __restrict s, int a, int e,
-                const float* __restrict v_tile, int dim_v,
-                float* __restrict partial) {
-    if (logits.capped) {
-      for (int j = a; j < e; ++j) s[j] = logits.log2_logit_or_nan(s[j]);
-    } else {
-      for (int j = a; j < e; ++j) s[j] = logits.uncapped_log2_logit_or_nan(s[j]);
-    }
-    take_weights(s, a, e, row_max(s + a, e - a), dim_v);
-    add_tile_sum(s, 1, a, e, v_tile, dim_v, partial, acc);
+// The same for x without NaN, n a multiple of kLanes.
+inline float row_max_not_nan(const float* __restrict x, int n) {
+  float part[kLanes];
+  std::fill(part, part + kLanes, kNegInf);
+  for (int j = 0; j < n; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) part[l] = select(x[j + l] > part[l], x[j + l], part[l]);
   }
-
-  // Turns the log2 logits s[a, e) (their maximum tile_max) into weights
-  // relative to the row's new maximum, and rescales the sum and acc to it;
-  // the caller then adds the weighted value rows to acc.
-  void take_weights(float* __restrict s, int a, int e, float tile_max,
-                    int dim_v) {
-    const float new_max = max_or_nan(tile_max, max);
-    const float rescale = exp2_poly(max - new_max);
-    for (int j = a; j < e; ++j) s[j] = exp2_poly(s[j] - new_max);
-    sum = sum * rescale + row_sum(s + a, e - a);
-    max = new_max;
-    if (rescale != 1.0f) {
-      for (int d = 0; d < dim_v; ++d) acc[d] *= rescale;
-    }
-  }
-
-  // Writes the row's output and natural-log lse; zeros and -inf for a row
-  // that saw no key (a row that saw one has sum >= 1, its maximum's 2^0, or
-  // NaN).
-  template <class Codec>
-  void store(int dim_v, typename Codec::Storage* out, float* lse) const {
-    if (sum != 0.0f) {
-      const float inv = 1.0f / sum;
-      for (int d = 0; d < dim_v; ++d) out[d] = Codec::store(acc[d] * inv);
-      *lse = (max + std::log2(sum)) * kLn2;
-    } else {
-      store_empty<Codec>(dim_v, out, lse);
-    }
-  }
-
-  template <class Codec>
-  static void store_empty(int dim_v, typename Codec::Storage* out, float* lse) {
-    for (int d = 0; d < dim_v; ++d) out[d] = Codec::store(0.0f);
-    *lse = kNegInf;
-  }
-};
+  float best = kNegInf;
+  for (float v : part) best = select(v > best, v, best);
+  return best;
+}
 
 // ---- work distribution ------------------------------------------------------
 
-// Runs fn(task) for task in [0, num_tasks) on up to hardware_concurrency()
-// threads, the caller among them. Tasks write disjoint outputs, so which
-// thread runs a task never changes a result.
+// The CPUs this process may run on (its affinity mask: taskset, cgroups'
+// cpusets), else the machine's.
+inline int usable_cpus() {
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+// How many threads parallel_for runs num_tasks tasks of total_macs work on.
+inline int thread_count(int64_t num_tasks, double total_macs) {
+  static const int cpus = usable_cpus();
+  const double by_work = 1.0 + total_macs / kMinMacsPerThread;
+  return static_cast<int>(std::min({static_cast<double>(cpus), by_work,
+                                    static_cast<double>(num_tasks), double{kMaxThreads}}));
+}
+
+// Runs fn(task) for task in [0, num_tasks) on thread_count() threads, the
+// caller among them, tasks taken in order. Tasks write disjoint outputs, so
+// which thread runs a task never changes a result.
 template <class Fn>
 void parallel_for(int64_t num_tasks, double total_macs, const Fn& fn) {
-  const double hw = std::max(1u, std::thread::hardware_concurrency());
-  const double by_work = 1.0 + total_macs / kMinMacsPerThread;
-  const int nthreads = static_cast<int>(std::min(
-      {hw, by_work, static_cast<double>(num_tasks), double{kMaxThreads}}));
+  const int nthreads = thread_count(num_tasks, total_macs);
   std::atomic<int64_t> next{0};
   auto worker = [&]() noexcept {
     for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) <

@@ -6,14 +6,15 @@
 // key tile is read from its pages and widened once for the whole group: a
 // decode step's rows are its group's heads, a prefill chunk's run over its
 // tokens. The tile code (online softmax, products, loads) is the contiguous
-// forward's, from attention_cpu_tiles.h.
+// forward's: ForwardRows, attention_cpu_rows.h.
 //
 // Batch invariant by construction: key tiles sit at multiples of their width
 // from each sequence's first key, every row keeps its own softmax state and
-// takes from a tile only the keys it sees (RowSoftmax), and a row's products
-// do not depend on the other rows of its block. A token's result is then the
-// same bits in any batch, slot or page placement, and as a decode step or as
-// a row of a prefill chunk.
+// takes from a tile only the keys it sees (RowSoftmax: zero weights
+// elsewhere, which add exact zeros), and a row's products do not depend on the
+// other rows of its block (tile_product). A token's result is then the same
+// bits in any batch, slot or page placement, and as a decode step or as a row
+// of a prefill chunk.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -21,6 +22,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "attention_cpu_rows.h"
+#include "attention_cpu_simd.h"
 #include "attention_cpu_tiles.h"
 #include "jax_flash/kernel_api.h"
 
@@ -66,84 +69,75 @@ template <class Codec, int kRows, int kCols, int kMaxDim>
 struct PagedTile {
   using T = typename Codec::Storage;
 
+  // The keys of row r, for ForwardRows::attend.
+  struct Keys {
+    const PagedSequence& seq;
+    int64_t r0, group;
+    KeySpan span(int r) const { return key_span(seq.g, seq.kv_len, (r0 + r) / group); }
+    bool same_document(int, int) const { return true; }
+  };
+
   // Query rows [r0, r0 + kRows) of sequence b's kv head hk, where row r is
   // query head hk * group + r % group of new token r / group.
-  JF_CPU_HOT static void run(const JfPagedFwdArgs& args, const Geometry& shared, int64_t b,
-                             int64_t hk, int64_t r0) {
+  template <class IsaT>
+  JF_ALWAYS_INLINE static void run(const JfPagedFwdArgs& args, const Geometry& shared,
+                                   int64_t b, int64_t hk, int64_t r0) {
     const PagedSequence seq(args, shared, b);
     const Geometry& g = seq.g;
     const T* q = static_cast<const T*>(args.q);
     const T* k_pages = static_cast<const T*>(args.k_pages);
     const T* v_pages = static_cast<const T*>(args.v_pages);
     T* o = static_cast<T*>(args.o);
-    const int dim = static_cast<int>(g.head_dim);
-    const int dim_v = static_cast<int>(g.head_dim_v);
     const int rows = static_cast<int>(std::min<int64_t>(kRows, g.seqlen_q * g.group - r0));
     const int live = static_cast<int>(std::clamp<int64_t>(seq.q_len * g.group - r0, 0, rows));
     const auto token = [&](int r) { return (r0 + r) / g.group; };
     const auto head = [&](int r) { return hk * g.group + (r0 + r) % g.group; };
-
-    alignas(64) float q_tile[kRows * kMaxDim];
-    alignas(64) float kt_tile[kMaxDim * kCols];
-    alignas(64) float v_tile[kCols * kMaxDim];
-    alignas(64) float o_acc[kRows * kMaxDim];
-    alignas(64) float scores[kRows * kCols];
-    alignas(64) float partial[kMaxDim];
-    RowSoftmax state[kRows];
+    const Keys keys{seq, r0, g.group};
+    ForwardRows<kRows, kCols, kMaxDim> t(g, live, IsaT::kBlockRows);
+    const int dim = t.dim, dim_v = t.dim_v;
 
     // The keys any live row sees, from the tile boundary at or below them.
     int64_t k_lo = 0, k_hi = 0;
     if (live > 0) {
-      k_lo = std::max<int64_t>(key_span(g, seq.kv_len, token(0)).lo, 0) / kCols * kCols;
-      k_hi = key_span(g, seq.kv_len, token(live - 1)).hi;
+      k_lo = std::max<int64_t>(keys.span(0).lo, 0) / kCols * kCols;
+      k_hi = keys.span(live - 1).hi;
     }
     if (k_hi > k_lo) {
       for (int r = 0; r < live; ++r) {
-        load_rows<Codec>(q + g.q_off(b, token(r), head(r)), 0, 1, 1, dim, dim, q_tile + r * dim);
-        state[r].acc = o_acc + r * dim_v;
-        std::fill(state[r].acc, state[r].acc + dim_v, 0.0f);
+        load_tile<Codec>(q + g.q_off(b, token(r), head(r)), 0, 1, 1, dim, t.ld_q,
+                         t.q_tile + r * t.ld_q);
       }
+      std::fill(t.q_tile + live * t.ld_q, t.q_tile + t.live_rows * t.ld_q, 0.0f);
+      t.begin();
     }
-    const Logits logits(g);
     const int64_t key_stride = g.heads_kv * dim, value_stride = g.heads_kv * dim_v;
     for (int64_t j0 = k_lo; j0 < k_hi; j0 += kCols) {
       const int cols = static_cast<int>(std::min<int64_t>(kCols, k_hi - j0));
       seq.for_each_page_run(args, j0, j0 + cols, [&](int c0, int count, int64_t first_row) {
         if (first_row < 0) {
-          for (int d = 0; d < dim; ++d) std::fill_n(kt_tile + d * kCols + c0, count, 0.0f);
-          std::fill_n(v_tile + c0 * dim_v, count * dim_v, 0.0f);
+          for (int d = 0; d < dim; ++d) std::fill_n(t.kt_tile + d * kCols + c0, count, 0.0f);
+          std::fill_n(t.v_tile + c0 * t.ld_v, count * t.ld_v, 0.0f);
           return;
         }
         const T* k_rows = k_pages + (first_row * g.heads_kv + hk) * dim;
         for (int c = 0; c < count; ++c) {
           const T* src = k_rows + c * key_stride;
-          for (int d = 0; d < dim; ++d) kt_tile[d * kCols + c0 + c] = Codec::load(src[d]);
+          for (int d = 0; d < dim; ++d) t.kt_tile[d * kCols + c0 + c] = Codec::load(src[d]);
         }
-        load_rows<Codec>(v_pages + (first_row * g.heads_kv + hk) * dim_v, value_stride, count,
-                         count, dim_v, dim_v, v_tile + c0 * dim_v);
+        load_tile<Codec>(v_pages + (first_row * g.heads_kv + hk) * dim_v, value_stride, count,
+                         count, dim_v, t.ld_v, t.v_tile + c0 * t.ld_v);
       });
       // Columns past the keys: their products are never read, but come from
       // initialised memory.
       for (int d = 0; d < dim && cols < kCols; ++d) {
-        std::fill(kt_tile + d * kCols + cols, kt_tile + (d + 1) * kCols, 0.0f);
+        std::fill(t.kt_tile + d * kCols + cols, t.kt_tile + (d + 1) * kCols, 0.0f);
       }
-      matmul_abt<kRows, kCols>(q_tile, kt_tile, dim, scores, live);
-      for (int r = 0; r < live; ++r) {
-        const KeySpan span = key_span(g, seq.kv_len, token(r));
-        const int a = static_cast<int>(std::max<int64_t>(span.lo - j0, 0));
-        const int e = static_cast<int>(std::min<int64_t>(span.hi - j0, cols));
-        if (e > a) state[r].add_keys(logits, scores + r * kCols, a, e, v_tile, dim_v, partial);
-      }
+      t.template attend<IsaT, false>(j0, cols, keys);
     }
 
     for (int r = 0; r < rows; ++r) {
-      T* out = o + g.o_off(b, token(r), head(r));
-      float* lse = args.lse + g.stat_off(b, head(r), token(r));
-      if (k_hi > k_lo && r < live) {
-        state[r].template store<Codec>(dim_v, out, lse);
-      } else {
-        RowSoftmax::store_empty<Codec>(dim_v, out, lse);
-      }
+      t.template store<Codec>(r, o + g.o_off(b, token(r), head(r)),
+                              args.lse + g.stat_off(b, head(r), token(r)));
     }
   }
 };
@@ -159,8 +153,10 @@ struct PagedLaunch {
       const int64_t block = task % blocks;
       const int64_t hk = (task / blocks) % g.heads_kv;
       const int64_t b = task / (blocks * g.heads_kv);
-      PagedTile<Codec, Shape::kRows, Shape::kCols, Shape::kMaxDim>::run(args, g, b, hk,
-                                                                        block * Shape::kRows);
+      run_with_isa([&](auto isa) {
+        PagedTile<Codec, Shape::kRows, Shape::kCols, Shape::kMaxDim>::template run<
+            decltype(isa)>(args, g, b, hk, block * Shape::kRows);
+      });
     });
   }
 };

@@ -18,17 +18,10 @@ enough short tiles to end the grid evenly.
 import cutlass
 import cutlass.cute as cute
 
-# H100, bf16, 16 heads, 16k tokens, causal forward TFLOPS (results run 89;
-# the build before timed first and last):
-#   seq        2k            4k            8k            16k
-#   hd64   345 / 348-349  429 / 402-409  477 / 449     504 / 476
-#   hd128  456 / 457-481  546 / 538-544  599 / 587-608 653 / 650-656
-#   hd256  544 / 530      620 / 595-596  664 / 650-657 734 / 735-736
-# At 1k it lost (run 88: hd64 273 against 285-288, hd128 334 against
-# 357-365), so shorter problems keep the plain order (head after head), and
-# an 8 MB budget gained less (run 89: hd64 4k-16k 418 / 472 / 483, hd256 4k
-# 589).
-# The K / V bytes of the heads in one section: about half of an H100's L2.
+# Problems shorter than MIN_ROWS keep the plain order (head after head),
+# where the sectioned one lost (docs/history.md, "Evidence from the kernels' comments").
+# The K / V bytes of the heads in one section: about half of an H100's L2;
+# a smaller budget gained less.
 L2_BUDGET_BYTES = 24 * 2**20
 MIN_ROWS = 2048
 

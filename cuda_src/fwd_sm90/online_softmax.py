@@ -2,24 +2,13 @@
 register fragments: running row max and row sum, P = exp2(S * scale_log2 -
 max), and the factor by which the output accumulator must be rescaled.
 
-Every exp2 runs on the MUFU. Moving every 2nd, 3rd or 4th of them to a
-minimax cubic on the FMA pipe was timed (H100, results run 16) and lost at
-head dims 64, 96 and 128 (hd64 non-causal: 395 / 429 / 421 TFLOPS against
-427-436 without), so the MUFU is not what limits these tiles.
+Every exp2 runs on the MUFU: moving a share of them to a cubic on the FMA
+pipe was slower each time it was timed (docs/history.md, "Evidence from the kernels' comments").
 
 The exp2s are cute.arch.exp2, an ex2.approx inline asm with side effects,
 rather than the pure cute.math.exp2: LLVM sank and duplicated the pure calls
-past the wait for the PV GEMM (fp16: ptxas left 37 of hd128's 172 there),
-which the side effects forbid. Same instruction, same numerics; on H100
-(results run 18, bf16, seq 8192, forward TFLOPS non-causal / causal) hd128
-went from 590-595 / 538-543 to 634 / 565, hd64 and hd256 unchanged.
-
-Nsight Compute (H100, hd64, seq 8192, results run 75) reads the MUFU 59%
-busy and the tensor pipe about 54%; every MUFU instruction there is an ex2
-(the bf16 conversions run elsewhere). Every 2nd, 3rd or 4th exp2 on the FMA
-pipe again (2^round(x) through the exponent bits times a cubic; branch
-fwd-exp2-fma), after the rescale fix below (run 77, hd64 seq 8192
-non-causal): 404 / 440 / 450 TFLOPS against 485-487 without.
+past the wait for the PV GEMM, which the side effects forbid. Same
+instruction, same numerics, and faster at hd128 (docs/history.md, "Evidence from the kernels' comments").
 """
 
 import operator
@@ -31,15 +20,8 @@ import cutlass.cute as cute
 # running row max grows by more than this many powers of two; until then P is
 # computed against the stale max, so its entries stay <= 2^8 (exact in fp32,
 # no overflow in fp16/bf16) and the final 1/rowsum removes the offset.
-# H100, bf16, 16 heads, 16k tokens, forward TFLOPS non-causal 1k / 4k / 8k /
-# 16k, causal 8k (results run 75), on against off:
-#   hd64:  369 / 482 / 492 / 493, 444 against 353 / 459 / 466 / 473, 417;
-#   hd128: 551 / 613 / 642 / 671, 585 against 504 / 578 / 623 / 630, 555.
-# Before O's factor came out exactly 1 for rows whose reference stayed
-# (online_softmax) it saved little: the kernel timed before and after the
-# fix (same run) ran hd64 361-374 / 463-479 / 476-480 / 491-494, 427-431,
-# hd128 510-522 / 595-599 / 621-632 / 641-662, 564-585 and hd256 non-causal
-# 8k 690-691 against 734 with it.
+# Faster than rescaling every tile at every length timed, once O's factor
+# comes out exactly 1 for rows whose reference stayed (docs/history.md, "Evidence from the kernels' comments").
 RESCALE_THRESHOLD_LOG2 = 8.0
 
 
@@ -69,8 +51,8 @@ def online_softmax(acc_S_mn, row_max, row_sum, factor, scale_log2, conditional: 
             # The difference first: exactly 0, so a factor of exactly 1, where
             # the reference did not move. As prev_max * scale_log2 -
             # max_scaled, fused into one FMA, it was the product's rounding
-            # error, and ex2 of that often fell just below 1 (rescaling O in
-            # 71% of hd64's iterations; results run 75).
+            # error, and ex2 of that often fell just below 1, rescaling O
+            # on most iterations (docs/history.md, "Evidence from the kernels' comments").
             factor[r] = cute.arch.exp2((prev_max - new_max) * scale_log2)
         row_max[r] = new_max
         for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
@@ -130,13 +112,9 @@ def store_converted(src, dst):
     of two (hd192's 48 floats per thread, hd256's 40) is converted 8 floats
     at a time: whole, LLVM converted it to bf16 one float at a time (fp16
     came out in pairs) and kept each P in a register of its own until the
-    PV GEMM packed the pairs (PRMT), 24 / 20 registers more per thread. H200, results run 11 (seq
-    1k / 2k / 8k, non-causal / causal forward TFLOPS, two passes against the
-    build before): hd192 544-559 / 421-426, 612-658 / 501-522, 701-702 /
-    653-657 against 519 / 392, 591 / 496, 658 / 612; hd256 560-578 / 422-428,
-    629-636 / 514-524, 709-712 / 654-656 against 564 / 409, 622 / 514, 696 /
-    642. Powers of two already came out as packed conversions, and keep
-    their code."""
+    PV GEMM packed the pairs (PRMT), which cost registers and time
+    (docs/history.md, "Evidence from the kernels' comments"). Powers of two already came out as
+    packed conversions, and keep their code."""
     size = cute.size(src)
     if cutlass.const_expr(size & (size - 1) == 0):
         dst.store(src.load().to(dst.element_type))
