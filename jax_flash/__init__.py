@@ -13,8 +13,8 @@ from jax_flash._mla import mla_decode as mla_decode
 from jax_flash._mla import write_mla_cache as write_mla_cache
 from jax_flash._mla_fp8 import MlaFp8Cache as MlaFp8Cache
 from jax_flash._paged import paged_attention as paged_attention
-from jax_flash._paged_fp8 import Fp8Pages as Fp8Pages
 from jax_flash._paged import write_paged_cache as write_paged_cache
+from jax_flash._paged_fp8 import Fp8Pages as Fp8Pages
 from jax_flash._ring import from_zigzag as from_zigzag
 from jax_flash._ring import ring_attention as ring_attention
 from jax_flash._ring import ring_attention_sharded as ring_attention_sharded
