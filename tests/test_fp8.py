@@ -94,11 +94,13 @@ class Fp8Checks:
       numerics.assert_within_tolerance(name, g, r, n, jnp.bfloat16, reduction=max(seq_q, seq_k))
     return got
 
-  @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+  @pytest.mark.parametrize("causal", [pytest.param(False, marks=pytest.mark.slow), True],
+                           ids=["full", "causal"])
   def test_matches_reference(self, head_dim, causal):
     self.check(head_dim=head_dim, causal=causal)
 
-  @pytest.mark.parametrize("case", ["window", "gqa-lengths", "documents", "blocks"])
+  @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow)
+                                    for c in ("window", "gqa-lengths")] + ["documents", "blocks"])
   def test_masks_and_block_scales(self, case):
     if case == "window":
       self.check(seq_q=260, seq_k=260, window=(70, 5))
@@ -112,7 +114,8 @@ class Fp8Checks:
       self.check(seq_q=300, seq_k=170, heads_q=6, heads_kv=3, causal=True, block_size=64)
 
   @pytest.mark.parametrize("seq_q,seq_k", [
-      (17, 1000), (1, 4097), pytest.param(1, 1, marks=pytest.mark.slow),
+      (17, 1000), pytest.param(1, 4097, marks=pytest.mark.slow),
+      pytest.param(1, 1, marks=pytest.mark.slow),
       pytest.param(17, 17, marks=pytest.mark.slow), pytest.param(1000, 17, marks=pytest.mark.slow)])
   def test_awkward_lengths(self, seq_q, seq_k):
     self.check(batch=1, seq_q=seq_q, seq_k=seq_k, heads_q=2, heads_kv=1, causal=True)
@@ -135,12 +138,16 @@ class Fp8Checks:
     assert np.isfinite(got[0]).all()
 
 
+# The quick suite: the CPU backend at head dim 128; the slow one: every
+# head dim on both backends.
+@pytest.mark.slow
 class TestFp8Xla(Fp8Checks):
   implementation = "xla"
 
 
 class TestFp8Cpu(Fp8Checks):
   implementation = "cpu"
+  head_dims = (128,)
 
   @pytest.fixture(autouse=True)
   def _on_cpu(self):
@@ -246,6 +253,7 @@ def scheme_error(q, k, v, scheme, block_size=64):
   return np.sqrt(np.mean(error**2) / np.mean(truth**2))
 
 
+@pytest.mark.slow
 def test_block_scaling_with_hadamard_beats_per_tensor_on_outliers():
   """The issue's accuracy claim, on fixed seeds (benchmarks/fp8_accuracy.py
   measures the whole table): block scales + Hadamard at least 2x lower
@@ -319,7 +327,7 @@ def fp8_batch(seed, cache_lengths, query_lengths, *, page_size, **kwargs):
   return inputs, keys, values
 
 
-@pytest.mark.parametrize("implementation", ["flash", "xla"])
+@pytest.mark.parametrize("implementation", ["flash", pytest.param("xla", marks=pytest.mark.slow)])
 def test_paged_fp8_matches_float64(implementation):
   if implementation == "flash" and jax.default_backend() != "cpu":
     pytest.skip("the CPU kernel runs the FP8 cache on a CPU only")
@@ -333,7 +341,7 @@ def test_paged_fp8_matches_float64(implementation):
                            f"{lengths} {new} page {page_size}", **kwargs)
 
 
-@pytest.mark.parametrize("implementation", ["flash", "xla"])
+@pytest.mark.parametrize("implementation", ["flash", pytest.param("xla", marks=pytest.mark.slow)])
 def test_paged_fp8_poisoned_pages_and_batch_invariance(implementation):
   """Unused slots and pages hold NaN codes and NaN scales (e4m3fn has no
   Inf): the results are the bits of a run with zeros and unit scales
@@ -427,3 +435,9 @@ def test_gpu_flash_raises_and_default_runs_xla():
   inputs, _, _ = fp8_batch(7, [100, 7], [1, 2], page_size=16)
   with pytest.raises(NotImplementedError, match="Hopper FP8 paged kernel is not built yet"):
     jax_flash.paged_attention(**inputs, implementation="flash")
+
+
+@pytest.mark.slow
+class TestFp8CpuSweep(TestFp8Cpu):
+  head_dims = (64, 128, 256)
+
