@@ -70,7 +70,8 @@ class TestCpu(AttentionTestBase):
   def test_sinks_match_reference(self):
     super().test_sinks_match_reference("causal-gqa")
 
-  @pytest.mark.parametrize("isa", ["avx2", pytest.param("baseline", marks=pytest.mark.slow)])
+  @pytest.mark.slow
+  @pytest.mark.parametrize("isa", ["avx2", "baseline"])
   def test_narrower_instruction_sets(self, isa):
     # The kernels are compiled once per instruction set and run the widest
     # this CPU has; JAX_FLASH_CPU_ISA caps it (read once per process), so a

@@ -100,7 +100,7 @@ class Fp8Checks:
     self.check(head_dim=head_dim, causal=causal)
 
   @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow)
-                                    for c in ("window", "gqa-lengths")] + ["documents", "blocks"])
+                                    for c in ("window", "gqa-lengths", "blocks")] + ["documents"])
   def test_masks_and_block_scales(self, case):
     if case == "window":
       self.check(seq_q=260, seq_k=260, window=(70, 5))
