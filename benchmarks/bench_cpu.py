@@ -244,15 +244,6 @@ def child(args) -> int:
   return 0
 
 
-def processor_name() -> str:
-  try:
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("model name"):
-        return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return "unknown"
-
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -299,7 +290,7 @@ def main(argv=None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=ROOT).stdout.strip() or None
     run_info = {
-        "gpu": "cpu", "cpu": processor_name(), "jax": jax_version, "date": started,
+        "gpu": "cpu", "cpu": benchmark.processor_name(), "jax": jax_version, "date": started,
         "commit": commit,
         "command": "python benchmarks/bench_cpu.py " + " ".join(forwarded),
         "note": f"{os.cpu_count()} CPU cores; load average {load[0]:.1f} / {load[1]:.1f} / "

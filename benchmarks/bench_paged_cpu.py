@@ -87,15 +87,6 @@ def run(seqs, new_tokens, head_dims, dtypes, page_size, rounds):
   return rows
 
 
-def _processor_name() -> str:
-  try:
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("model name"):
-        return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return jax.devices("cpu")[0].device_kind
-
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -115,7 +106,7 @@ def main(argv=None) -> int:
   if args.out:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or None
-    run_info = {"gpu": "cpu", "cpu": _processor_name(), "jax": jax.__version__,
+    run_info = {"gpu": "cpu", "cpu": benchmark.processor_name(), "jax": jax.__version__,
                 "date": datetime.date.today().isoformat(), "commit": commit,
                 "command": "python benchmarks/bench_paged_cpu.py " + " ".join(
                     sys.argv[1:] if argv is None else argv),

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash
+from jax_flash import _benchmark as benchmark
 from jax_flash import _mla as mla, _mla_fp8 as mla_fp8
 
 SCALE = 192 ** -0.5  # DeepSeek-V2/V3 without YaRN
@@ -216,15 +217,6 @@ def row(kind, scheme, batch, seq_k, s_q, heads, result):
           **{k: float(f"{v:.4g}") for k, v in result.items()}}
 
 
-def processor_name() -> str:
-  try:
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("model name"):
-        return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return jax.devices("cpu")[0].device_kind
-
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -255,7 +247,7 @@ def main(argv=None) -> int:
   if args.out:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or None
-    run = {"gpu": "cpu", "cpu": processor_name(), "jax": jax.__version__,
+    run = {"gpu": "cpu", "cpu": benchmark.processor_name(), "jax": jax.__version__,
            "date": datetime.date.today().isoformat(), "commit": commit,
            "command": "python benchmarks/mla_accuracy.py " + " ".join(
                sys.argv[1:] if argv is None else argv),

@@ -376,3 +376,15 @@ def read_runs(directory) -> list:
     if isinstance(loaded, dict) and "run" in loaded and "rows" in loaded:
       runs.append((path, loaded["run"], loaded["rows"]))
   return runs
+
+
+def processor_name() -> str:
+  """The CPU model for a results header (/proc/cpuinfo, else JAX's device kind)."""
+  try:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("model name"):
+        return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return jax.devices("cpu")[0].device_kind
+
