@@ -22,6 +22,7 @@ class TestCpu(AttentionTestBase):
   implementation = "cpu"
   dtypes = (jnp.bfloat16,)
   head_dims = (64,)
+  deterministic_repeats = 3
 
   @pytest.mark.parametrize("seq_q,seq_k,causal", [(1, 1, False), (17, 1000, True),
                                                   (1000, 17, True)])
@@ -58,14 +59,12 @@ class TestCpu(AttentionTestBase):
   def test_packed_documents(self):
     super().test_packed_documents(True)
 
-  # NaN semantics and sinks: a few cases here, every case in TestCpuSweep.
-  @pytest.mark.parametrize("case", ["past-lengths", "other-documents", "outside-window"])
-  def test_masked_nan_and_inf_never_reach_results(self, case):
-    super().test_masked_nan_and_inf_never_reach_results(case)
+  # NaN semantics and sinks: one case each here, every case in TestCpuSweep.
+  def test_masked_nan_and_inf_never_reach_results(self):
+    super().test_masked_nan_and_inf_never_reach_results("past-lengths")
 
-  @pytest.mark.parametrize("where", ["k", "v-inf"])
-  def test_visible_nan_and_inf_propagate(self, where):
-    super().test_visible_nan_and_inf_propagate(where)
+  def test_visible_nan_and_inf_propagate(self):
+    super().test_visible_nan_and_inf_propagate("k")
 
   def test_sinks_match_reference(self):
     super().test_sinks_match_reference("causal-gqa")

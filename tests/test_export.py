@@ -153,10 +153,21 @@ def default_loss_and_grads(q, k, v):
   return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
 
 
-@pytest.mark.parametrize("library", [True, False], ids=["cuda-library", "no-cuda-library"])
-@pytest.mark.parametrize("platforms,want", [
-    (("cuda",), GPU_TARGETS), (("cpu",), TARGETS), (("cpu", "cuda"), TARGETS + GPU_TARGETS)],
-    ids=["cuda", "cpu", "cpu+cuda"])
+def export_cases():
+  """Each platform list with and without the CUDA library installed; the
+  quick suite keeps the lists that matter for each kind of installation."""
+  platform_lists = {"cuda": (("cuda",), GPU_TARGETS), "cpu": (("cpu",), TARGETS),
+                    "cpu+cuda": (("cpu", "cuda"), TARGETS + GPU_TARGETS)}
+  quick = {"cuda-cuda-library", "cpu-no-cuda-library", "cpu+cuda-cuda-library",
+           "cpu+cuda-no-cuda-library"}
+  for name, (platforms, want) in platform_lists.items():
+    for library in (True, False):
+      case = f"{name}-{'cuda-library' if library else 'no-cuda-library'}"
+      yield pytest.param(platforms, want, library, id=case,
+                         marks=() if case in quick else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("platforms,want,library", list(export_cases()))
 def test_export_holds_the_kernels_of_the_platforms_asked_for(platforms, want, library,
                                                              monkeypatch):
   """The kernels follow the lowering platform, not the exporting host's

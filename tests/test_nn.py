@@ -33,7 +33,8 @@ def inputs(*shape, seed=1):
 # Flax linen
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("causal", [pytest.param(False, id="full", marks=pytest.mark.slow),
+                                    pytest.param(True, id="causal")])
 def test_linen_matches_stock(causal):
   x = inputs(2, 3, 19, FEATURES)  # two batch dims: the attention_fn folds them
   stock = linen.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=FEATURES)
@@ -171,7 +172,7 @@ def assert_same_loss_and_grads(got, want):
   chex.assert_trees_all_close(params(got_grads), params(want_grads), **TOLERANCE)
 
 
-@pytest.mark.parametrize("case", list(EQX_CASES))
+@pytest.mark.parametrize("case", [pytest.param("self", marks=pytest.mark.slow), "cross-sizes"])
 @pytest.mark.parametrize("causal", [pytest.param(False, id="full", marks=pytest.mark.slow),
                                     pytest.param(True, id="causal")])
 def test_equinox_matches_stock(causal, case):
