@@ -6,7 +6,7 @@ ptxas schedules the wait for the PV GEMM (`WARPGROUP.DEPBAR.LE gsb0, 0x0`)
 as early as its dependencies allow, and unless the kernel anchors it (see
 `_consume` in fwd_sm90/kernel.py) it lands above the softmax, which then no
 longer overlaps that GEMM, a few percent of the forward
-(docs/history.md, "Evidence from the kernels' comments").
+(docs/kernel-evidence.md).
 
 It needs `cuobjdump` and the `nvdisasm` it calls: named by $CUOBJDUMP, on
 PATH (CUDA toolkit) or from the pip packages nvidia-cuda-cuobjdump and

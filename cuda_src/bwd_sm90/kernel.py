@@ -127,7 +127,7 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers, DqHandOff):
         # 1 - tanh^2 is kept in a fragment next to P where that fits (the
         # split layout), else recovered from P: the fragment spilled in the
         # unsplit layouts, and recovering was slower where it fits
-        # (docs/history.md, "Evidence from the kernels' comments").
+        # (docs/kernel-evidence.md).
         self.slope_from_probability = has_softcap and not cfg.split_head_dim
         self.m_block = cfg.m_block
         self.n_block = cfg.n_block
@@ -265,7 +265,7 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers, DqHandOff):
         # The deterministic variant launches the KV tiles of a head last to
         # first (kernel()), one head after another: with turns from the last
         # KV tile down, launching heads first collapsed
-        # (docs/history.md, "Evidence from the kernels' comments").
+        # (docs/kernel-evidence.md).
         grid = (n_blocks, kv_heads, mK.shape[0])
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_dQ, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
@@ -590,7 +590,7 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers, DqHandOff):
             acc_S_mn = wgmma_acc_as_rows_cols(acc_S)
             # With dq_transposed lse comes from sStats here: read before the
             # S^T wait instead, it spilled more and ran no faster
-            # (docs/history.md, "Evidence from the kernels' comments").
+            # (docs/kernel-evidence.md).
             probabilities_in_place(acc_S_mn, stats, scale_log2)
             full_tile = (
                 m0 + M <= q_len

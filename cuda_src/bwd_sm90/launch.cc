@@ -128,7 +128,7 @@ extern "C" int jax_flash_bwd_sm90_deterministic_query_tile(int32_t head_dim, int
 
 // Groups of KV tiles the rotated order may split a head into: two beat the
 // unrotated order, four lost for four times the dQ scratch
-// (docs/history.md, "Evidence from the kernels' comments").
+// (docs/kernel-evidence.md).
 constexpr int64_t kMaxRotationGroups = 2;
 
 extern "C" int jax_flash_bwd_sm90_deterministic_dq_chains(int32_t head_dim, int32_t head_dim_v, int32_t seqlen_k) {

@@ -23,7 +23,7 @@ nobody (no buffer to wait for or to free), it syncs on barrier 0 alone
 instead of branching around the barrier, for the same reason.
 
 Staggered, the backward runs faster than in step and ahead of cuDNN at hd128
-(docs/history.md, "Evidence from the kernels' comments").
+(docs/kernel-evidence.md).
 """
 
 import cutlass

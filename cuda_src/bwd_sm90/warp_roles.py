@@ -32,7 +32,7 @@ DQ_WARP = 1
 # lse (times log2 e) and delta of each query tile into shared memory, one
 # tile ahead; the consumers read them there: loaded by the consumers
 # themselves, the loads outlasted the score GEMMs and the exp waited
-# (docs/history.md, "Evidence from the kernels' comments").
+# (docs/kernel-evidence.md).
 STATS_WARP = DQ_WARP + MAX_DQ_WRITERS
 # setmaxnreg budgets: 24 + 2 * 240 <= 504 (64K registers / 128 threads of
 # each WG, rounded to the granularity of 8). The consumers hold dK and dV
@@ -91,7 +91,7 @@ class ProducerWarps:
         # the release, the next CTA's acquire) outlasted an iteration at 64 x 64 tiles. The turns of
         # dq_semaphore take chains entries per 32 query rows. In the other order (masks, and heads split
         # into more groups than there are accumulators) several chains lost, not understood, so there the
-        # first accumulator takes every turn (docs/history.md, "Evidence from the kernels' comments").
+        # first accumulator takes every turn (docs/kernel-evidence.md).
         q_tiles = cute.ceil_div(seqlen_q, M)
         if cutlass.const_expr(not self.dq_in_stage):
             if writer == self.dq_writers - 1 and n_iters > 0:

@@ -19,7 +19,7 @@ import cutlass
 import cutlass.cute as cute
 
 # Problems shorter than MIN_ROWS keep the plain order (head after head),
-# where the sectioned one lost (docs/history.md, "Evidence from the kernels' comments").
+# where the sectioned one lost (docs/kernel-evidence.md).
 # The K / V bytes of the heads in one section: about half of an H100's L2;
 # a smaller budget gained less.
 L2_BUDGET_BYTES = 24 * 2**20

@@ -3,12 +3,12 @@ register fragments: running row max and row sum, P = exp2(S * scale_log2 -
 max), and the factor by which the output accumulator must be rescaled.
 
 Every exp2 runs on the MUFU: moving a share of them to a cubic on the FMA
-pipe was slower each time it was timed (docs/history.md, "Evidence from the kernels' comments").
+pipe was slower each time it was timed (docs/kernel-evidence.md).
 
 The exp2s are cute.arch.exp2, an ex2.approx inline asm with side effects,
 rather than the pure cute.math.exp2: LLVM sank and duplicated the pure calls
 past the wait for the PV GEMM, which the side effects forbid. Same
-instruction, same numerics, and faster at hd128 (docs/history.md, "Evidence from the kernels' comments").
+instruction, same numerics, and faster at hd128 (docs/kernel-evidence.md).
 """
 
 import operator
@@ -21,7 +21,7 @@ import cutlass.cute as cute
 # computed against the stale max, so its entries stay <= 2^8 (exact in fp32,
 # no overflow in fp16/bf16) and the final 1/rowsum removes the offset.
 # Faster than rescaling every tile at every length timed, once O's factor
-# comes out exactly 1 for rows whose reference stayed (docs/history.md, "Evidence from the kernels' comments").
+# comes out exactly 1 for rows whose reference stayed (docs/kernel-evidence.md).
 RESCALE_THRESHOLD_LOG2 = 8.0
 
 
@@ -52,7 +52,7 @@ def online_softmax(acc_S_mn, row_max, row_sum, factor, scale_log2, conditional: 
             # the reference did not move. As prev_max * scale_log2 -
             # max_scaled, fused into one FMA, it was the product's rounding
             # error, and ex2 of that often fell just below 1, rescaling O
-            # on most iterations (docs/history.md, "Evidence from the kernels' comments").
+            # on most iterations (docs/kernel-evidence.md).
             factor[r] = cute.arch.exp2((prev_max - new_max) * scale_log2)
         row_max[r] = new_max
         for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
@@ -113,7 +113,7 @@ def store_converted(src, dst):
     at a time: whole, LLVM converted it to bf16 one float at a time (fp16
     came out in pairs) and kept each P in a register of its own until the
     PV GEMM packed the pairs (PRMT), which cost registers and time
-    (docs/history.md, "Evidence from the kernels' comments"). Powers of two already came out as
+    (docs/kernel-evidence.md). Powers of two already came out as
     packed conversions, and keep their code."""
     size = cute.size(src)
     if cutlass.const_expr(size & (size - 1) == 0):
