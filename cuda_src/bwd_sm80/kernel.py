@@ -23,7 +23,6 @@ NaN and Inf: sm80_nan_guard.py (a tile whose pairs are all visible runs the code
 it ran before).
 """
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Type
 
@@ -35,6 +34,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
 from common.dsl_common import (
+    LOG2E,
     WARP_SIZE,
     cap_scores_with_slope,
     first_kv_block_seeing,
@@ -52,7 +52,6 @@ from common.hidden_pairs import HIDDEN, zero_where_hidden
 from common.segment_tiles import MIXED, segment_key
 from sm80_nan_guard import check_keys, poison_rows, zero_flagged_stage
 
-LOG2E = math.log2(math.e)
 NUM_THREADS = 256  # 8 warps
 SMEM_CAPACITY_SM80 = 163 * 1024
 

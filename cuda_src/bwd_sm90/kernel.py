@@ -34,14 +34,8 @@ so P^T goes through shared memory like dS^T and every product after the
 scores reads both from there, after one barrier. DeepSeek's 192 / 128
 (head_dim_v 128: V, dO, dV) splits the same way, dV in 64-column halves.
 
-dQ leaves the consumers through a shared fp32 tile: two more producer warps,
-taking the query tiles in turn (warp_roles.DQ_WARP), add it to the fp32
-accumulator in global memory with one TMA reduce-add per query tile, so the
-consumers never wait on global reductions (issuing them as red.global from
-the consumer warps cost about a sixth of their time, measured with Nsight
-Compute on H100). In the deterministic variant these warps also wait for
-the tile's turn (see query_tile_of), which leaves the consumers' loop
-identical to the plain one.
+dQ leaves the consumers through shared memory to two writer warps
+(dq_handoff.py says why and how).
 
 The packed-document variant (has_segments) narrows the query tiles to the
 union of the KV tile's keys' q_bounds; a thread compares segment ids only on
@@ -49,7 +43,6 @@ tiles where the rows and columns it holds carry more than one id (document
 edges), elsewhere only the length / diagonal / window mask applies.
 """
 
-import math
 from typing import Optional, Type
 
 import cuda.bindings.driver as cuda
@@ -61,7 +54,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from common.dsl_common import (
-    cap_scores, cap_scores_with_slope, logit_scales, query_tile_of, rotated_order, row_store_tile,
+    LOG2E, cap_scores, cap_scores_with_slope, logit_scales, query_tile_of, rotated_order, row_store_tile,
     segment_bounds_union, store_existing_rows, wgmma_acc_as_rows_cols,
 )
 from common.hidden_pairs import zero_where_hidden
@@ -86,7 +79,6 @@ from warp_roles import (
     WG_THREADS, ProducerWarps, bar_stats_of_wg,
 )
 
-LOG2E = math.log2(math.e)
 SMEM_CAPACITY_SM90 = 227 * 1024
 
 

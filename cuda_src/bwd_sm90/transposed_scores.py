@@ -14,17 +14,14 @@ take only their segment ids this way: each thread reads lse and delta of its
 own columns from shared memory, QueryStats.)
 """
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from common.dsl_common import WARP_SIZE, capped_score_slope
+from common.dsl_common import LOG2E, WARP_SIZE, capped_score_slope
 from common.hidden_pairs import HIDDEN
 from common.nonfinite import is_nonfinite
 
-LOG2E = math.log2(math.e)
 
 
 PAIR_COLUMNS = 64  # columns whose statistics one pair per lane covers
