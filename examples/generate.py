@@ -74,7 +74,6 @@ class ServeConfig:
   max_len: int = 8704  # tokens of one request at most, prompt and output
   pool_tokens: int = 0  # page pool size; 0: slots * max_len
   bucket: int = 1024  # the baseline's span granularity; 0: the whole cache
-  row_groups: int = 1  # the dense layers' independent row groups (overlap under TP)
 
   @property
   def max_pages(self) -> int:
@@ -178,7 +177,7 @@ def attend_contiguous(layer, q, k, v, cache, batch, span):
   return join_rows(out_decode, out_lanes), (k_cache, v_cache)
 
 
-def step_fn(model: sm.ModelConfig, attend, span, params, cache, previous, batch, row_groups=1):
+def step_fn(model: sm.ModelConfig, attend, span, params, cache, previous, batch):
   """One step on one device's heads: the decode rows' tokens are the ones the
   previous step sampled (``previous [slots]``, never copied to the host in
   between), then ``lanes * chunk`` prompt tokens. Returns (the token each
@@ -191,8 +190,7 @@ def step_fn(model: sm.ModelConfig, attend, span, params, cache, previous, batch,
                                (lane_start[:, None] + jnp.arange(chunk)).reshape(-1)])
   attend = functools.partial(attend, batch=batch, span=span)
   hidden, cache = sm.forward(params, tokens, positions, model, attend, cache,
-                             reduce=lambda x: jax.lax.psum(x, sm.TP),
-                             row_groups=row_groups)
+                             reduce=lambda x: jax.lax.psum(x, sm.TP))
   last_rows = slots + jnp.arange(lanes) * chunk + jnp.maximum(batch["lane_new"] - 1, 0)
   logits = sm.logits_of(params, hidden[jnp.concatenate([jnp.arange(slots), last_rows])])
   owner = jnp.concatenate([jnp.arange(slots), lane_slots(batch)])
@@ -252,8 +250,7 @@ class Engine:
     if span not in self._compiled:
       attend = attend_paged if self.attention == "jax_flash" else attend_contiguous
       cache_specs = [(CACHE_SPEC, CACHE_SPEC)] * self.model.layers
-      body = jax.shard_map(functools.partial(step_fn, self.model, attend, span,
-                                             row_groups=self.serve.row_groups),
+      body = jax.shard_map(functools.partial(step_fn, self.model, attend, span),
                            mesh=self.mesh, in_specs=(self._specs, cache_specs, P(), P()),
                            out_specs=(P(), P(), cache_specs))
       jitted = jax.jit(body, donate_argnums=(1,))
@@ -524,8 +521,7 @@ GPU_STREAM = dict(requests=128, prompt_min=1024, prompt_max=8192, output_min=128
 CPU_STREAM = dict(requests=16, prompt_min=8, prompt_max=96, output_min=4, output_max=48,
                   probe_tokens=32)
 MODEL_FLAGS = ("layers", "width", "heads", "kv_heads", "head_dim", "mlp")
-SERVE_FLAGS = ("slots", "lanes", "chunk", "page_size", "max_len", "pool_tokens", "bucket",
-               "row_groups")
+SERVE_FLAGS = ("slots", "lanes", "chunk", "page_size", "max_len", "pool_tokens", "bucket")
 HELP = {"layers": "decoder layers", "width": "model width", "heads": "query heads",
         "kv_heads": "key / value heads", "head_dim": "head dim", "mlp": "MLP hidden units",
         "slots": "requests generating at once (decode rows per step)",
@@ -533,8 +529,6 @@ HELP = {"layers": "decoder layers", "width": "model width", "heads": "query head
         "page_size": "tokens per page", "max_len": "tokens per request at most (default: the "
         "longest prompt and output)", "pool_tokens": "page pool tokens (default: slots * max_len)",
         "bucket": "the baseline's span rounding (0: the whole cache)",
-        "row_groups": "groups of rows the dense layers run as independent chains, so that "
-        "one group's all-reduce under tensor parallelism can overlap another's products",
         "requests": "requests in the stream", "prompt_min": "shortest prompt",
         "prompt_max": "longest prompt", "output_min": "fewest output tokens",
         "output_max": "most output tokens", "probe_tokens": "the probe's output tokens "

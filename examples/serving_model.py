@@ -113,8 +113,7 @@ def rope(x, positions, base):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
-def forward(params, tokens, positions, config: ModelConfig, attend, caches, reduce=lambda x: x,
-            row_groups: int = 1):
+def forward(params, tokens, positions, config: ModelConfig, attend, caches, reduce=lambda x: x):
   """The decoder over a flat batch ``tokens [n]`` at ``positions [n]``.
 
   ``attend(layer, q, k, v, cache) -> (out, cache)`` is the attention of
@@ -122,31 +121,23 @@ def forward(params, tokens, positions, config: ModelConfig, attend, caches, redu
   head_dim]``, the heads this device holds); ``caches`` its per-layer
   state (a KV cache, or None for training). ``reduce`` sums the row-parallel
   products over the devices (``jax.lax.psum`` under tensor parallelism).
-  ``row_groups`` > 1 runs the dense layers on that many contiguous groups of
-  rows: independent chains, so that one group's ``reduce`` can overlap
-  another's products (the groups' sizes are fixed by ``n``, so a row's
-  result still does not depend on the other rows). Returns ``(hidden states
-  after the final norm [n, width], caches)``."""
+  Returns ``(hidden states after the final norm [n, width], caches)``."""
   eps = config.norm_eps
-  groups = [slice(int(r[0]), int(r[-1]) + 1)
-            for r in np.array_split(np.arange(len(tokens)), row_groups) if len(r)]
-  xs = [params["embed"][tokens[g]] for g in groups]
+  x = params["embed"][tokens]
   new_caches = []
   for index, (layer, cache) in enumerate(zip(params["layers"], caches)):
-    hs = [rms_norm(x, layer["attn_norm"], eps) for x in xs]
-    project = lambda w: jnp.concatenate([h @ w for h in hs]).reshape(len(tokens), -1,
-                                                                      config.head_dim)
-    q, k, v = project(layer["wq"]), project(layer["wk"]), project(layer["wv"])
+    h = rms_norm(x, layer["attn_norm"], eps)
+    q = (h @ layer["wq"]).reshape(len(tokens), -1, config.head_dim)
+    k = (h @ layer["wk"]).reshape(len(tokens), -1, config.head_dim)
+    v = (h @ layer["wv"]).reshape(len(tokens), -1, config.head_dim)
     q, k = rope(q, positions, config.rope_base), rope(k, positions, config.rope_base)
     out, cache = attend(index, q, k, v, cache)
-    out = out.reshape(len(tokens), -1)
-    xs = [x + reduce(out[g] @ layer["wo"]) for x, g in zip(xs, groups)]
-    for i, x in enumerate(xs):
-      h = rms_norm(x, layer["mlp_norm"], eps)
-      gated = jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])
-      xs[i] = x + reduce(gated @ layer["w_down"])
+    x = x + reduce(out.reshape(len(tokens), -1) @ layer["wo"])
+    h = rms_norm(x, layer["mlp_norm"], eps)
+    gated = jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])
+    x = x + reduce(gated @ layer["w_down"])
     new_caches.append(cache)
-  return rms_norm(jnp.concatenate(xs), params["final_norm"], eps), new_caches
+  return rms_norm(x, params["final_norm"], eps), new_caches
 
 
 def logits_of(params, hidden):

@@ -172,22 +172,6 @@ def test_a_batch_dependent_sampler_is_caught(params, monkeypatch):
   assert result["distinct_completions"] > 1, result
 
 
-@pytest.mark.parametrize("devices", [1, pytest.param(8, marks=pytest.mark.slow)])
-def test_row_groups_keep_the_tokens_and_their_invariance(params, devices):
-  """Dense layers in 3 uneven row groups (4 + 4 + 3 of the step's 11 rows):
-  the model's tokens, and one completion whatever the batch."""
-  if len(jax.devices()) < devices:
-    pytest.skip(f"needs {devices} devices, {jax.default_backend()} has {len(jax.devices())}")
-  mesh = jax.make_mesh((devices,), (sm.TP,), devices=jax.devices()[:devices])
-  serve = dataclasses.replace(SERVE, row_groups=3)
-  engine = generate.Engine(params, MODEL, serve, mesh, "jax_flash")
-  requests = requests_of()
-  engine.run(requests)
-  check_greedy_tokens(params, requests)
-  result = invariance(engine, mixes=3)
-  assert result["distinct_completions"] == result["distinct_logits"] == 1, result
-
-
 @pytest.mark.slow
 def test_tensor_parallel_over_8_devices(params, engines):
   if len(jax.devices()) < 8:
