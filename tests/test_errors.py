@@ -107,7 +107,7 @@ def test_handler_rejects_bad_options():
                         window_right=-1, softcap=-2.0)
   lens = jax.device_put((jnp.full((2,), 16, jnp.int32),) * 2, cpu)
   with pytest.raises(Exception, match=r"jax_flash: softcap must be finite and >= 0"):
-    jax.block_until_ready(ffi.forward(q, k, v, *lens, *ffi.no_segments(q), call))
+    jax.block_until_ready(ffi.forward(q, k, v, *lens, *ffi.no_segments(q), ffi.no_sinks(q), call))
 
 
 def test_unknown_implementation():
@@ -195,7 +195,7 @@ def _cpu_backward_with_chains(chains, deterministic=True):
   call = ffi.KernelCall(backend="cpu", scale=0.125, diag_offset=0, window_left=-1, window_right=-1,
                         deterministic=deterministic)
   lens = jax.device_put((jnp.full((2,), 16, jnp.int32),) * 2, cpu)
-  out, lse = ffi.forward(q, k, v, *lens, *ffi.no_segments(q), call)
+  out, lse = ffi.forward(q, k, v, *lens, *ffi.no_segments(q), ffi.no_sinks(q), call)
   delta = jnp.einsum("btnh,btnh->bnt", out, out)
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(ffi, "_dq_chains", lambda *_: chains)
@@ -415,7 +415,7 @@ def test_handler_rejects_inconsistent_buffers():
   call = ffi.KernelCall(backend="cpu", scale=0.125, diag_offset=0, window_left=-1, window_right=-1)
   lens = jax.device_put((jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32)), cpu)
   with pytest.raises(Exception, match=r"jax_flash: q_lens has 3 elements, expected 2"):
-    jax.block_until_ready(ffi.forward(q, k, v, *lens, *ffi.no_segments(q), call))
+    jax.block_until_ready(ffi.forward(q, k, v, *lens, *ffi.no_segments(q), ffi.no_sinks(q), call))
 
 
 @pytest.mark.parametrize("segment_ids,match", [
