@@ -188,9 +188,10 @@ def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None
       ``softmax([logits, sink])``; differentiable, ``None`` for none. A row
       that sees no key then outputs zeros with ``lse == sink``; a sink of
       ``-inf`` is no sink. The Hopper forward kernel adds them in its
-      epilogue at no measurable cost; elsewhere (other GPUs, CPU, XLA,
-      decoding calls that pack heads or split keys) they are folded in after
-      the kernel, one elementwise pass over the output (docs/numerics.md).
+      epilogue, with no pass over the output; elsewhere (other GPUs, CPU,
+      XLA, decoding calls that pack heads or split keys) they are folded in
+      after the kernel, one elementwise pass over the output
+      (docs/numerics.md).
     deterministic: make the backward bitwise reproducible from run to run.
       The GPU backward then adds each query tile's dQ contributions in a
       fixed order (docs/history.md: its measured cost); the CPU kernels always are.
