@@ -5,6 +5,7 @@ import json
 import pathlib
 
 import numpy as np
+import pytest
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 TINY = ["--cpu-sizes", "--steps", "20", "--layers", "1", "--width", "32", "--heads", "2",
@@ -21,6 +22,7 @@ def load_example():
   return module
 
 
+@pytest.mark.slow  # two short training runs: about 8 s on a 2-core machine
 def test_train_gpt_jax_flash_matches_jax_nn(tmp_path, capsys):
   example = load_example()
   records = {name: example.main(["--attention", name, "--out", str(tmp_path), *TINY])

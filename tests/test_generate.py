@@ -114,6 +114,7 @@ def test_continuous_batching_completes_every_request(engines, params):
   assert summary["ttft_ms_p50"] > 0 and summary["itl_ms_p99"] >= summary["itl_ms_p50"] > 0
 
 
+@pytest.mark.slow
 def test_baseline_agrees_where_numerics_allow(engines, params):
   served = {name: requests_of() for name in generate.ATTENTIONS}
   for name, requests in served.items():

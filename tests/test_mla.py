@@ -297,7 +297,8 @@ def test_fp8_requantised_p_against_float32_p():
   assert 0 < moved <= 2 * naive_error
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["bf16", "fp8"])
 def test_batch_invariant(fp8):
   """A sequence's rows bitwise: alone, and in another slot of a larger batch
   beside other lengths with its pages elsewhere in a larger pool (the same

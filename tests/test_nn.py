@@ -281,8 +281,8 @@ def test_flax_sinks_need_the_mask_as_structure():
     jax_flash.nn.flax_attention_fn(q, q, q, sinks=SINKS[:2])
 
 
-@pytest.mark.parametrize("causal", [pytest.param(False, id="full", marks=pytest.mark.slow),
-                                    pytest.param(True, id="causal")])
+@pytest.mark.slow  # the quick suite's layer sinks: test_linen_sinks_from_a_parent_module
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_equinox_sinks(causal):
   # The kernel path against the layer's own XLA path for masks (an all-true
   # mask), both with the layer's sinks; zero sinks by default, set here.
