@@ -13,7 +13,6 @@ from jax_flash import _reference as reference
 from jax_flash import _segments as segments
 from jax_flash import _validation as validation
 from jax_flash import _vjp as vjp
-from jax_flash._sinks import add_sinks
 
 
 def _platform_of(*arrays) -> str:
@@ -94,7 +93,7 @@ def _no_kernel_message(implementation, call: ffi.KernelCall, reason: str) -> str
 
 
 def _attention(q, k, v, shapes, *, scale, diag_offset, window_left, window_right, q_lens,
-               kv_lens, implementation, segment_ids=(None, None), softcap=0.0,
+               kv_lens, implementation, segment_ids=(None, None), softcap=0.0, sinks=None,
                deterministic=False, batch_invariant=False):
   dtype = jnp.result_type(q)
   # Raises here, while tracing, what the platform of the inputs cannot serve.
@@ -121,7 +120,8 @@ def _attention(q, k, v, shapes, *, scale, diag_offset, window_left, window_right
     return reference.attention_reference(
         q, k, v, scale=scale, diag_offset=diag_offset, window_left=window_left,
         window_right=window_right, q_lens=q_lens, kv_lens=kv_lens,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softcap=softcap)
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softcap=softcap,
+        sinks=sinks)
   if q_lens is None:
     q_lens = _whole_lengths(shapes.batch, shapes.seq_q)
   if kv_lens is None:
@@ -133,7 +133,8 @@ def _attention(q, k, v, shapes, *, scale, diag_offset, window_left, window_right
   else:
     bounds = segments.segment_bounds(q_segment_ids, kv_segment_ids)
     segment_operands = ffi.segment_operands(q_segment_ids, kv_segment_ids, *bounds)
-  return vjp.flash_attention(q, k, v, q_lens, kv_lens, *segment_operands, call)
+  sink_operand = ffi.no_sinks(q) if sinks is None else ffi.sink_operand(sinks, q)
+  return vjp.flash_attention(q, k, v, q_lens, kv_lens, *segment_operands, sink_operand, call)
 
 
 def _whole_lengths(batch: int, seq: int) -> np.ndarray:
@@ -186,8 +187,11 @@ def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None
       logit per query head joining every row's softmax without a value,
       ``softmax([logits, sink])``; differentiable, ``None`` for none. A row
       that sees no key then outputs zeros with ``lse == sink``; a sink of
-      ``-inf`` is no sink. Folded in after the kernels, which costs one
-      elementwise pass over the output (docs/numerics.md).
+      ``-inf`` is no sink. The Hopper forward kernel adds them in its
+      epilogue, with no pass over the output; elsewhere (other GPUs, CPU,
+      XLA, decoding calls that pack heads or split keys) they are folded in
+      after the kernel, one elementwise pass over the output
+      (docs/numerics.md).
     deterministic: make the backward bitwise reproducible from run to run.
       The GPU backward then adds each query tile's dQ contributions in a
       fixed order (docs/history.md: its measured cost); the CPU kernels always are.
@@ -238,12 +242,10 @@ def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None
       kv_lens=validation.check_lengths(key_value_seq_lengths, "key_value_seq_lengths",
                                        shapes.batch),
       segment_ids=validation.check_segment_ids(segment_ids, shapes),
-      softcap=validation.check_softcap(softcap),
+      softcap=validation.check_softcap(softcap), sinks=sinks,
       deterministic=validation.check_flag(deterministic, "deterministic"),
       batch_invariant=validation.check_flag(batch_invariant, "batch_invariant"),
       implementation=implementation)
-  if sinks is not None:
-    out, lse = add_sinks(out, lse, sinks)
   return (out, lse) if return_lse else out
 
 
@@ -374,9 +376,7 @@ def _jax_nn_conventions(query, key, value, *, scale, is_causal: bool, query_seq_
       q_lens=validation.check_lengths(query_seq_lengths, "query_seq_lengths", shapes.batch),
       kv_lens=validation.check_lengths(key_value_seq_lengths, "key_value_seq_lengths",
                                        shapes.batch),
-      implementation=implementation)
-  if sinks is not None:
-    out, lse = add_sinks(out, lse, sinks)
+      sinks=sinks, implementation=implementation)
   if squeeze:
     out, lse = out[0], lse[0]
   return out, lse

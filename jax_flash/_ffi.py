@@ -32,11 +32,16 @@ from jax_flash import _configs as configs
 from jax_flash import _head_packing as head_packing
 from jax_flash import _kv_split as kv_split
 from jax_flash import _reference as reference
+from jax_flash._sinks import add_sinks
 
 _ABI_VERSION = "v2"
+# The CUDA forward's own: v3 adds the sinks operand after q_bounds
+# (kernel_api.h: JfFwdArgs.sinks), which only the Hopper kernel reads.
+_GPU_FORWARD_VERSION = "v3"
 # Versions whose handlers stay registered for serialized exports (v1: no
-# softcap, no deterministic backward).
-_OLD_ABI_VERSIONS = ("v1",)
+# softcap, no deterministic backward; v2 of the CUDA forward: no sinks), by
+# direction: the library's symbol for each is its current one's, suffixed.
+_OLD_CUDA_VERSIONS = {"fwd": ("v1", "v2"), "bwd": ("v1",)}
 # Query rows per dq_semaphore entry (kernel_api.h: the smallest query tile of
 # the GPU backward kernels).
 _SEMAPHORE_ROWS = 32
@@ -99,7 +104,9 @@ class PerPlatform:
   other: KernelCall | str
 
 
-def _target(backend: str, direction: str, version: str = _ABI_VERSION) -> str:
+def _target(backend: str, direction: str, version: str | None = None) -> str:
+  if version is None:
+    version = _GPU_FORWARD_VERSION if (backend, direction) == ("gpu", "fwd") else _ABI_VERSION
   return f"jax_flash_{backend}_{direction}_{version}"
 
 
@@ -133,7 +140,7 @@ def _register_cuda() -> pathlib.Path | None:
   for direction, symbol in (("fwd", "JaxFlashFwdCuda"), ("bwd", "JaxFlashBwdCuda")):
     capsule = jax.ffi.pycapsule(getattr(library, symbol))
     jax.ffi.register_ffi_target(_target("gpu", direction), capsule, platform="CUDA")
-    for version in _OLD_ABI_VERSIONS:
+    for version in _OLD_CUDA_VERSIONS[direction]:
       capsule = jax.ffi.pycapsule(getattr(library, symbol + version.upper()))
       jax.ffi.register_ffi_target(_target("gpu", direction, version), capsule, platform="CUDA")
   return path
@@ -162,6 +169,18 @@ def no_segments(q):
   return (empty,) * 4
 
 
+def no_sinks(q):
+  """The sinks operand of a forward call without sinks: [..., heads_q, 0]."""
+  return jnp.zeros((*q.shape[:-3], q.shape[-2], 0), jnp.float32)
+
+
+def sink_operand(sinks, q):
+  """float32 [heads_q] sinks as the forward's operand [..., heads_q, 1]: one
+  per batch entry, so that it shards and maps like the lse."""
+  return jnp.broadcast_to(jnp.asarray(sinks, jnp.float32)[:, None],
+                          (*q.shape[:-3], q.shape[-2], 1))
+
+
 def segment_operands(q_segment_ids, kv_segment_ids, kv_bounds, q_bounds):
   """The packed-document operands: ids [..., T] / [..., S] and bounds
   flattened to [..., 2T] / [..., 2S] (the layout of kernel_api.h)."""
@@ -169,14 +188,16 @@ def segment_operands(q_segment_ids, kv_segment_ids, kv_bounds, q_bounds):
   return q_segment_ids, kv_segment_ids, flat(kv_bounds), flat(q_bounds)
 
 
-def forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds,
+def forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, sinks,
             call: KernelCall | PerPlatform):
   """Runs the forward kernel: returns (o [..., T, N, Hv], lse [..., N, T] f32).
 
-  The four segment operands come from ``segment_operands`` or ``no_segments``.
-  Short GQA problems run with their query heads packed (head_packing.py).
+  The four segment operands come from ``segment_operands`` or ``no_segments``,
+  the sinks from ``sink_operand`` or ``no_sinks``; the results include the
+  sinks (kernel_applies_sinks says who adds them). Short GQA problems run
+  with their query heads packed (head_packing.py).
   """
-  args = (q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds)
+  args = (q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, sinks)
   if isinstance(call, KernelCall):
     return _forward_on(*args, call)
   *batch, seq_q, heads_q, _ = q.shape
@@ -264,13 +285,61 @@ def _pad_last(x, padding: int):
   return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padding)]) if padding else x
 
 
-def _forward_on(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call: KernelCall):
+def kernel_applies_sinks(q, k, v, q_ids, call: KernelCall) -> bool:
+  """Whether the forward kernel of this call adds the sinks itself (v: as
+  the kernel gets it, padded): the Hopper one (cuda_src/fwd_sm90/
+  output_tile.py) where it serves the call whole, with its query heads
+  unpacked (a packed row's head is not the kernel's) and its keys unsplit (a
+  split's lse is no row's). Elsewhere ``_forward_on`` adds them to the
+  call's results (add_sinks): one more pass over the output."""
+  if call.backend != "gpu" or (gpu_compute_capability() or (0,))[0] != 9:
+    return False
+  has_segments = q_ids.shape[-1] > 0
+  if (head_packing.group(q, k, call) > 1
+      or kv_split.fixed_split_applies(q, k, v, call, has_segments=has_segments, hopper=True)
+      or kv_split.parts(q, k, call, has_segments=has_segments) > 1):
+    return False
+  # What jax_flash_fwd_sm90_can_implement asks (fwd_sm90/launch.cc: Serves).
+  return (k.shape[-3] > 0 and math.prod(q.shape[:-3]) <= configs.MAX_GRID_YZ
+          and q.shape[-2] <= configs.MAX_GRID_YZ
+          and _sm90_forward_has_variant(np.dtype(q.dtype).name, q.shape[-1], v.shape[-1],
+                                        has_segments))
+
+
+# kernel_api.h's JfDtype of the GPU kernels' dtypes.
+_JF_DTYPES = {"float16": 0, "bfloat16": 1}
+
+
+@functools.cache
+def _sm90_forward_has_variant(dtype: str, head_dim: int, head_dim_v: int,
+                              has_segments: bool) -> bool:
+  query = getattr(_cuda_library, "jax_flash_fwd_sm90_has_variant", None)
+  if query is None or dtype not in _JF_DTYPES:  # no Hopper kernels in this build
+    return False
+  query.argtypes = (ctypes.c_int32,) * 4
+  query.restype = ctypes.c_int
+  return bool(query(_JF_DTYPES[dtype], head_dim, head_dim_v, int(has_segments)))
+
+
+def _forward_on(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, sinks,
+                call: KernelCall):
+  masks = (q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds)
   if call.backend == "xla":
-    return reference.forward_like_kernels(q, k, v, q_lens, kv_lens, q_ids, kv_ids, **call.mask())
+    out, lse = reference.forward_like_kernels(q, k, v, q_lens, kv_lens, q_ids, kv_ids,
+                                              **call.mask())
+    return _with_sinks(out, lse, sinks)
   head_dim_v = v.shape[-1]
   v = _pad_last(v, _value_padding(q, v, q_ids, call, "fwd"))
-  out, lse = _packed_forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call)
+  if sinks.shape[-1] and kernel_applies_sinks(q, k, v, q_ids, call):
+    out, lse = _forward(q, k, v, *masks, sinks, call)
+  else:
+    out, lse = _with_sinks(*_packed_forward(q, k, v, *masks, call), sinks)
   return out[..., :head_dim_v], lse
+
+
+def _with_sinks(out, lse, sinks):
+  """A forward's (out, lse) with ``sinks`` (sink_operand / no_sinks) added."""
+  return add_sinks(out, lse, sinks[..., 0]) if sinks.shape[-1] else (out, lse)
 
 
 def _packed_forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call):
@@ -294,19 +363,26 @@ def _split_or_whole_forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, 
   parts = kv_split.parts(q, k, call, has_segments=has_segments)
   if parts > 1:
     return kv_split.split_forward(_forward, q, k, v, q_lens, kv_lens,
-                                  (q_ids, kv_ids, kv_bounds, q_bounds), call, parts)
-  return _forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call)
+                                  (q_ids, kv_ids, kv_bounds, q_bounds, no_sinks(q)), call, parts)
+  return _forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, no_sinks(q), call)
 
 
-def _forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call: KernelCall):
+def _forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, sinks,
+             call: KernelCall):
+  """One forward kernel call; ``sinks`` (sink_operand / no_sinks) reach the
+  GPU handler, which takes them (v3), and only where kernel_applies_sinks."""
   *batch, seq_q, heads_q, _ = q.shape
   out_types = (
       jax.ShapeDtypeStruct((*batch, seq_q, heads_q, v.shape[-1]), q.dtype),
       jax.ShapeDtypeStruct((*batch, heads_q, seq_q), jnp.float32),
   )
   kernel = jax.ffi.ffi_call(_target(call.backend, "fwd"), out_types, vmap_method="broadcast_all")
-  return kernel(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds,
-                **call.attributes("fwd"))
+  operands = (q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds)
+  if call.backend == "gpu":
+    operands += (sinks,)
+  elif sinks.shape[-1]:
+    raise NotImplementedError(f"the {call.backend} forward kernels take no sinks")
+  return kernel(*operands, **call.attributes("fwd"))
 
 
 def _backward_on(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds,

@@ -105,8 +105,10 @@ def parts(q, k, call, has_segments: bool) -> int:
   return max((n for n in range(1, wanted + 1) if seq_k % n == 0), default=1)
 
 
-def split_forward(kernel_forward, q, k, v, q_lens, kv_lens, no_segments, call, n: int):
-  """``kernel_forward`` (ffi's unsplit forward) over ``n`` key chunks, merged."""
+def split_forward(kernel_forward, q, k, v, q_lens, kv_lens, empty, call, n: int):
+  """``kernel_forward`` (ffi's unsplit forward) over ``n`` key chunks, merged;
+  ``empty``: its segment and sinks operands, all empty (the caller adds any
+  sinks to the merged result)."""
   batch, seq_q = q.shape[:2]
   seq_k = k.shape[1]
   chunk = seq_k // n
@@ -115,7 +117,7 @@ def split_forward(kernel_forward, q, k, v, q_lens, kv_lens, no_segments, call, n
   starts = jnp.arange(n, dtype=jnp.int32) * chunk
   chunk_lens = jnp.clip(kv_lens[:, None] - starts[None], 0, chunk).reshape(batch * n)
   out, lse = kernel_forward(q_rep, as_chunks(k), as_chunks(v), jnp.repeat(q_lens, n),
-                            chunk_lens, *no_segments, call)
+                            chunk_lens, *empty, call)
   out = out.reshape(batch, n, *out.shape[1:])
   lse = lse.reshape(batch, n, *lse.shape[1:])  # [B, n, N, T]
   total = jax.nn.logsumexp(lse, axis=1)

@@ -206,7 +206,8 @@ def _ring_forward(q, k, v, segment_ids, ring: _Ring):
 
   def run_call(call, q, k, v, q_segments, kv_segments):
     return sharding.forward(q, k, v, _lengths(q, q.shape[1]), _lengths(k, k.shape[1]),
-                            *_segment_operands(q, q_segments, kv_segments), call)
+                            *_segment_operands(q, q_segments, kv_segments),
+                            ffi.no_sinks(q), call)
 
   def skip(call, q, k, v, q_segments, kv_segments):
     del call
@@ -330,7 +331,8 @@ def _zigzag_causal_forward(q, k, v, segment_ids, ring: _Ring):
 
   def attend(call, q, k, v, q_seg, kv_seg):
     return sharding.forward(q, k, v, _lengths(q, q.shape[1]), _lengths(k, k.shape[1]),
-                            *_segment_operands(q, q_seg, kv_seg), call)
+                            *_segment_operands(q, q_seg, kv_seg), ffi.no_sinks(q),
+                            call)
 
   # Every partial result is kept (in the input dtype) and merged once at the
   # end: merging after each call cost a read and write of a float32

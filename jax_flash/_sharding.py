@@ -76,7 +76,7 @@ def check_specs(q_spec, k_spec, v_spec, axis_sizes, heads_kv: int, direction: st
 def _plan(specs, axis_sizes, heads_kv: int, direction: str):
   """Checks the (q, k, v) specs and returns ``spec_of(array)``: the spec of
   every kernel operand and result, told apart by rank (q / k / v / out /
-  gradients, lse / delta, segment ids and bounds, lengths). q's batch and heads sharding decides; k
+  gradients, lse / delta / sinks, segment ids and bounds, lengths). q's batch and heads sharding decides; k
   and v are resharded to it (a local slice when they are replicated)."""
   check_specs(*specs, axis_sizes, heads_kv, direction)
   batch, heads = specs[0][:-3], specs[0][-2]
@@ -124,7 +124,7 @@ def _partitioned(kernel, direction: str, operands: str, results: str):
 
 _forward = _partitioned(
     ffi.forward, "forward",
-    "B t (k g) h, B s k h, B s k d, B, B, B i, B j, B m, B n",
+    "B t (k g) h, B s k h, B s k d, B, B, B i, B j, B m, B n, B (k g) u",
     "B t (k g) d, B (k g) t")
 _backward = _partitioned(
     ffi.backward, "backward",

@@ -1,6 +1,7 @@
 """The differentiable kernel call: forward and backward kernels tied together
 with ``jax.custom_vjp``. The forward saves (q, k, v, out, lse); the backward
-recomputes the probabilities tile by tile in its own kernel."""
+recomputes the probabilities tile by tile in its own kernel, and the
+sinks' gradient from per-row quantities."""
 
 import functools
 
@@ -50,30 +51,45 @@ def _run_backward(*args):
   return (_kernel_backward if _runs_kernels(args[-1]) else ffi.backward)(*args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
-def flash_attention(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def flash_attention(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, sinks,
                     call: ffi.KernelCall | ffi.PerPlatform):
-  """Returns (out, lse) from the kernels ``call`` names; the integer
-  operands are those of ``ffi.forward``."""
-  return _run_forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call)
+  """Returns (out, lse) from the kernels ``call`` names, the sinks included;
+  the operands are those of ``ffi.forward``."""
+  return _run_forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, sinks, call)
 
 
-def _forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, call):
+def _forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, sinks, call):
   masks = (q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds)
-  out, lse = _run_forward(q, k, v, *masks, call)
-  return (out, lse), (q, k, v, out, lse, masks)
+  out, lse = _run_forward(q, k, v, *masks, sinks, call)
+  return (out, lse), (q, k, v, out, lse, masks, sinks)
 
 
 def _backward(call, residuals, cotangents):
-  q, k, v, out, lse, masks = residuals
+  q, k, v, out, lse, masks, sinks = residuals
   dout, dlse = cotangents
   # d(lse)/d(scores) is the probability row, so an lse cotangent folds into
-  # the same correction term as rowsum(dout * out).
+  # the same correction term as rowsum(dout * out). With sinks, out and lse
+  # include them: the kernels' P = exp(s - lse) are then the rows' true
+  # probabilities and delta is theirs, so no backward kernel sees the sinks.
   acc = lse.dtype
   delta = jnp.einsum("...tnh,...tnh->...nt", dout.astype(acc), out.astype(acc))
   delta = delta - dlse.astype(acc)
   dq, dk, dv = _run_backward(q, k, v, dout.astype(q.dtype), lse, delta, *masks, call)
-  return (dq.astype(q.dtype), dk, dv) + (None,) * len(masks)
+  return ((dq.astype(q.dtype), dk, dv) + (None,) * len(masks)
+          + (_sink_gradient(sinks, lse, delta),))
+
+
+def _sink_gradient(sinks, lse, delta):
+  """d loss / d sinks ([..., N, 1], ffi.sink_operand's layout; empty without
+  sinks). A row's sink probability p = exp(sink - lse) moves its lse by p
+  and its output by -p * out per unit of sink, so the row adds p * (dlse -
+  rowsum(dout * out)) = -p * delta. A row that sees no key has lse = sink
+  and p = 1 (also for a sink of -inf, where the subtraction would be NaN)."""
+  if not sinks.shape[-1]:
+    return jnp.zeros_like(sinks)
+  gap = jnp.where(lse == sinks, 0.0, sinks - lse)  # [..., N, 1] against [..., N, T]
+  return -jnp.sum(jnp.exp(gap) * delta, axis=-1, keepdims=True)
 
 
 flash_attention.defvjp(_forward, _backward)

@@ -82,7 +82,7 @@ def test_kv_split_matches_whole_forward(parts):
   q_lens = jax.device_put(np.array([5, 5, 2], np.int32), cpu)
   kv_lens = jax.device_put(np.array([512, 77, 0], np.int32), cpu)
   call = ffi.KernelCall("cpu", 0.2, 0, -1, -1)
-  empty = ffi.no_segments(q)
+  empty = (*ffi.no_segments(q), ffi.no_sinks(q))
   want_out, want_lse = ffi._forward(q, k, v, q_lens, kv_lens, *empty, call)
   out, lse = kv_split.split_forward(ffi._forward, q, k, v, q_lens, kv_lens, empty, call, parts)
   np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=1e-5)

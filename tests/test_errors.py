@@ -107,7 +107,27 @@ def test_handler_rejects_bad_options():
                         window_right=-1, softcap=-2.0)
   lens = jax.device_put((jnp.full((2,), 16, jnp.int32),) * 2, cpu)
   with pytest.raises(Exception, match=r"jax_flash: softcap must be finite and >= 0"):
-    jax.block_until_ready(ffi.forward(q, k, v, *lens, *ffi.no_segments(q), call))
+    jax.block_until_ready(ffi.forward(q, k, v, *lens, *ffi.no_segments(q), ffi.no_sinks(q),
+                                      call))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sinks,seq_k,match", [
+    (jnp.zeros((2, 3, 1), jnp.float32), 16, r"jax_flash: sinks has 6 elements, expected 8"),
+    (jnp.zeros((2, 4, 1), jnp.bfloat16), 16, r"jax_flash: sinks has the wrong element type"),
+    # No keys: the sm80 kernel serves the call, and it adds no sinks.
+    (jnp.zeros((2, 4, 1), jnp.float32), 0, r"jax_flash_fwd_sm80: takes no sinks"),
+], ids=["shape", "dtype", "sm80"])
+def test_gpu_handler_rejects_bad_sinks(sinks, seq_k, match):
+  """Sinks the CUDA forward handler (v3) cannot use, hand-built past the
+  Python plan, fail cleanly."""
+  q = jnp.zeros((2, 16, 4, 64), jnp.bfloat16)
+  k = v = jnp.zeros((2, seq_k, 2, 64), jnp.bfloat16)
+  call = ffi.KernelCall(backend="gpu", scale=0.125, diag_offset=0, window_left=-1,
+                        window_right=-1)
+  lens = (jnp.full((2,), 16, jnp.int32), jnp.full((2,), seq_k, jnp.int32))
+  with pytest.raises(Exception, match=match):
+    jax.block_until_ready(ffi._forward(q, k, v, *lens, *ffi.no_segments(q), sinks, call))
 
 
 def test_unknown_implementation():
@@ -195,7 +215,7 @@ def _cpu_backward_with_chains(chains, deterministic=True):
   call = ffi.KernelCall(backend="cpu", scale=0.125, diag_offset=0, window_left=-1, window_right=-1,
                         deterministic=deterministic)
   lens = jax.device_put((jnp.full((2,), 16, jnp.int32),) * 2, cpu)
-  out, lse = ffi.forward(q, k, v, *lens, *ffi.no_segments(q), call)
+  out, lse = ffi.forward(q, k, v, *lens, *ffi.no_segments(q), ffi.no_sinks(q), call)
   delta = jnp.einsum("btnh,btnh->bnt", out, out)
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(ffi, "_dq_chains", lambda *_: chains)
@@ -415,7 +435,8 @@ def test_handler_rejects_inconsistent_buffers():
   call = ffi.KernelCall(backend="cpu", scale=0.125, diag_offset=0, window_left=-1, window_right=-1)
   lens = jax.device_put((jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32)), cpu)
   with pytest.raises(Exception, match=r"jax_flash: q_lens has 3 elements, expected 2"):
-    jax.block_until_ready(ffi.forward(q, k, v, *lens, *ffi.no_segments(q), call))
+    jax.block_until_ready(ffi.forward(q, k, v, *lens, *ffi.no_segments(q), ffi.no_sinks(q),
+                                      call))
 
 
 @pytest.mark.parametrize("segment_ids,match", [

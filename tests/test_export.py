@@ -4,7 +4,8 @@ The kernels are XLA FFI custom calls, which ``jax.export`` refuses to
 serialize unless each target is allowed with
 ``jax.export.DisabledSafetyCheck.custom_call(name)``: JAX vouches only for
 its own targets. jax_flash keeps its side of the bargain by versioning the
-names (``jax_flash_cpu_fwd_v2``): a changed handler signature gets a new name
+names (``jax_flash_cpu_fwd_v2``, ``jax_flash_gpu_fwd_v3``): a changed handler
+signature gets a new name
 and the old one stays registered, so a serialized module keeps resolving.
 """
 
@@ -24,7 +25,7 @@ from jax_flash import _ffi as ffi
 pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
 
 TARGETS = ("jax_flash_cpu_fwd_v2", "jax_flash_cpu_bwd_v2")
-GPU_TARGETS = ("jax_flash_gpu_fwd_v2", "jax_flash_gpu_bwd_v2")
+GPU_TARGETS = ("jax_flash_gpu_fwd_v3", "jax_flash_gpu_bwd_v2")
 ALLOW_KERNELS = [export.DisabledSafetyCheck.custom_call(name) for name in TARGETS + GPU_TARGETS]
 
 
@@ -134,7 +135,7 @@ def test_modules_exported_before_v2_keep_running():
                            disabled_checks=v1_targets)(q, k, v)
   got = export.deserialize(exported.serialize()).call(q, k, v)
 
-  out, lse = ffi.forward(q, k, v, *lens, *ffi.no_segments(q), call)
+  out, lse = ffi.forward(q, k, v, *lens, *ffi.no_segments(q), ffi.no_sinks(q), call)
   delta = jnp.einsum("btnh,btnh->bnt", out, out)
   want = (out, lse, *ffi.backward(q, k, v, out, lse, delta, *lens, *ffi.no_segments(q), call))
   chex.assert_trees_all_equal(got, want)
@@ -223,3 +224,27 @@ def test_module_exported_for_cuda_runs_on_the_gpu():
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_cuda_modules_exported_before_v3_keep_running():
+  """A module serialized before the CUDA forward took the sinks calls
+  jax_flash_gpu_fwd_v2 with nine operands; that handler stays registered
+  and gives the sink-free results of today's (v3) call bit for bit."""
+  q, k, v = (x.astype(jnp.bfloat16) for x in qkv(seed=5, head_dim=64))
+  lens = (jnp.full((2,), q.shape[1], jnp.int32), jnp.full((2,), k.shape[1], jnp.int32))
+  call = ffi.KernelCall("gpu", 0.125, k.shape[1] - q.shape[1], -1, 0)
+
+  def v2_forward(q, k, v):
+    out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((2, q.shape[2], q.shape[1]), jnp.float32))
+    return jax.ffi.ffi_call("jax_flash_gpu_fwd_v2", out_types)(
+        q, k, v, *lens, *ffi.no_segments(q), **call.attributes("fwd"))
+
+  exported = export.export(jax.jit(v2_forward), platforms=["cuda"],
+                           disabled_checks=[export.DisabledSafetyCheck.custom_call(
+                               "jax_flash_gpu_fwd_v2")])(q, k, v)
+  got = export.deserialize(exported.serialize()).call(q, k, v)
+  want = jax.jit(lambda q, k, v: ffi._forward(q, k, v, *lens, *ffi.no_segments(q),
+                                              ffi.no_sinks(q), call))(q, k, v)
+  chex.assert_trees_all_equal(got, want)

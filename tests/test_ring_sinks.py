@@ -92,7 +92,10 @@ def test_batch_and_head_sharding_with_sinks():
   plain = grads(q, k, v, sink_values(8, 1))
   for got, want, want_spec in zip(sharded, plain, (spec, spec, spec, P("tp"))):
     assert got.sharding.is_equivalent_to(NamedSharding(mesh, want_spec), got.ndim)
+    # Within one bfloat16 ulp: XLA fuses the per-row work around the kernels
+    # (the sinks, cos(lse), delta) differently per shard, which flipped the
+    # rounding of 2 of dk's 16k elements.
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                               rtol=1e-5, atol=1e-5)
+                               rtol=2.0 ** -7, atol=1e-5)
   compiled = grads.lower(*sharded_args).compile().as_text()
   assert "all-gather" not in compiled and "all-to-all" not in compiled

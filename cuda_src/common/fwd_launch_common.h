@@ -20,9 +20,11 @@ inline int64_t Prod(int64_t a, int64_t b, int64_t c = 1) { return a * b * c; }
 // Expands to one function per exported variant that fills the tensor
 // descriptors (only dynamic modes: shapes [B, T|S, N], strides [B, T|S] for
 // the 4-D operands, shapes [B, N, T] / strides [B, N] for lse) and launches.
-// SEG_ARGS is empty for the plain variants; the segment variants append the
-// descriptors that JF_FWD_SEG_TENSORS declares (the forward needs no q_bounds).
-#define JF_DEFINE_FWD_LAUNCH(prefix, SEG_TENSORS, SEG_ARGS)                        \
+// EXTRA_TENSORS declares the descriptors of the operands after the stream and
+// EXTRA_ARGS passes them: none for fwd_sm80's plain variants; the segment
+// variants append those of JF_FWD_SEG_TENSORS (the forward needs no
+// q_bounds); fwd_sm90 passes its sinks first.
+#define JF_DEFINE_FWD_LAUNCH(prefix, EXTRA_TENSORS, EXTRA_ARGS)                      \
   LoadedModule<prefix##_Kernel_Module_t> g_##prefix;                              \
   int Launch_##prefix(const JfFwdArgs& a, cudaStream_t stream, char* err,         \
                       size_t err_len) {                                           \
@@ -32,7 +34,7 @@ inline int64_t Prod(int64_t a, int64_t b, int64_t c = 1) { return a * b * c; }
                   cudaGetErrorString(load));                                      \
     }                                                                             \
     const JfProblem& p = a.problem;                                               \
-    SEG_TENSORS(prefix)                                                           \
+    EXTRA_TENSORS(prefix)                                                         \
     const int64_t h = p.head_dim;                                                 \
     const int64_t hv = p.head_dim_v;                                              \
     prefix##_Tensor_mQ_t q = {const_cast<void*>(a.q),                             \
@@ -55,7 +57,7 @@ inline int64_t Prod(int64_t a, int64_t b, int64_t c = 1) { return a * b * c; }
     int32_t rc = cute_dsl_##prefix##_wrapper(                                     \
         &g_##prefix.module, &q, &k, &v, &o, &lse, &q_lens, &kv_lens, p.scale,     \
         p.softcap,                                                                \
-        p.diag_offset, p.window_left, p.window_right, stream SEG_ARGS);           \
+        p.diag_offset, p.window_left, p.window_right, stream EXTRA_ARGS);         \
     if (rc != 0) {                                                                \
       return Fail(err, err_len, JF_FWD_ENTRY ": " #prefix " returned %d", rc);    \
     }                                                                             \

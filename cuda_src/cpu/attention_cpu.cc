@@ -114,6 +114,9 @@ int run_forward(const JfFwdArgs* args, char* err, size_t err_len) {
   if (const int rc = check_problem(args->problem, kEntry, err, err_len)) {
     return rc;
   }
+  if (args->sinks != nullptr) {
+    return fail(err, err_len, kEntry, "takes no sinks (only jax_flash_fwd_sm90 adds them)");
+  }
   const Geometry g(args->problem);
   const bool no_q = g.batch == 0 || g.seqlen_q == 0;
   const bool no_k = g.batch == 0 || g.seqlen_k == 0;

@@ -210,6 +210,18 @@ ffi::Error ReadSegments(const SegmentBuffers& seg, Args* args) {
   return ffi::Error::Success();
 }
 
+// The attention sinks (v3): float32 [*batch, heads_q, 1], or no elements
+// for none; `sinks` is null where the call has no such operand.
+inline ffi::Error ReadSinks(const ffi::AnyBuffer* sinks, JfFwdArgs* args) {
+  if (sinks == nullptr || sinks->element_count() == 0) return ffi::Error::Success();
+  const JfProblem& p = args->problem;
+  if (auto e = ExpectElements("sinks", *sinks, ffi::DataType::F32, int64_t{p.batch} * p.heads_q);
+      e.failure())
+    return e;
+  args->sinks = static_cast<const float*>(sinks->untyped_data());
+  return ffi::Error::Success();
+}
+
 // Decodes the forward call. `launch(const JfFwdArgs&) -> ffi::Error`.
 template <typename Launch>
 ffi::Error AttentionForward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k,
@@ -218,7 +230,8 @@ ffi::Error AttentionForward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k,
                             ffi::Result<ffi::AnyBuffer> o,
                             ffi::Result<ffi::AnyBuffer> lse, float scale,
                             int32_t diag_offset, int32_t window_left,
-                            int32_t window_right, const Options& options) {
+                            int32_t window_right, const Options& options,
+                            const ffi::AnyBuffer* sinks = nullptr) {
   JfFwdArgs args{};
   if (auto e = MakeProblem(q, k, v, q_lens, kv_lens, scale, diag_offset, window_left,
                            window_right, options, &args.problem);
@@ -230,6 +243,7 @@ ffi::Error AttentionForward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k,
     return e;
   if (auto e = CheckStats("lse", *lse, p); e.failure()) return e;
   if (auto e = ReadSegments(segments, &args); e.failure()) return e;
+  if (auto e = ReadSinks(sinks, &args); e.failure()) return e;
   args.q = q.untyped_data();
   args.k = k.untyped_data();
   args.v = v.untyped_data();
@@ -335,10 +349,9 @@ ffi::Error AttentionBackward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k
   return launch(args);
 }
 
-// Binds the argument list shared by every backend's forward handler (v1:
-// without the Options attributes).
+// The forward's operands up to q_bounds, shared by every version.
 template <typename Binding>
-auto BindForwardV1(Binding&& binding) {
+auto BindForwardOperands(Binding&& binding) {
   return std::forward<Binding>(binding).template Arg<ffi::AnyBuffer>()  // q
       .template Arg<ffi::AnyBuffer>()            // k
       .template Arg<ffi::AnyBuffer>()            // v
@@ -347,13 +360,25 @@ auto BindForwardV1(Binding&& binding) {
       .template Arg<ffi::AnyBuffer>()            // q_segment_ids
       .template Arg<ffi::AnyBuffer>()            // kv_segment_ids
       .template Arg<ffi::AnyBuffer>()            // kv_bounds
-      .template Arg<ffi::AnyBuffer>()            // q_bounds
-      .template Ret<ffi::AnyBuffer>()            // o
+      .template Arg<ffi::AnyBuffer>();           // q_bounds
+}
+
+// The forward's results and its v1 attributes, after its operands.
+template <typename Binding>
+auto BindForwardResults(Binding&& binding) {
+  return std::forward<Binding>(binding).template Ret<ffi::AnyBuffer>()  // o
       .template Ret<ffi::AnyBuffer>()            // lse
       .template Attr<float>("scale")
       .template Attr<int32_t>("diag_offset")
       .template Attr<int32_t>("window_left")
       .template Attr<int32_t>("window_right");
+}
+
+// Binds the argument list shared by every backend's forward handler (v1:
+// without the Options attributes).
+template <typename Binding>
+auto BindForwardV1(Binding&& binding) {
+  return BindForwardResults(BindForwardOperands(std::forward<Binding>(binding)));
 }
 
 template <typename Binding>
@@ -382,8 +407,17 @@ auto BindBackwardV1(Binding&& binding) {
 // v2 adds softcap to the forward; dq_semaphore (a fourth output), softcap
 // and deterministic to the backward.
 template <typename Binding>
-auto BindForward(Binding&& binding) {
+auto BindForwardV2(Binding&& binding) {
   return BindForwardV1(std::forward<Binding>(binding)).template Attr<float>("softcap");
+}
+
+// v3 (the CUDA forward only) adds the sinks operand after q_bounds
+// (ReadSinks).
+template <typename Binding>
+auto BindForwardV3(Binding&& binding) {
+  return BindForwardResults(
+             BindForwardOperands(std::forward<Binding>(binding)).template Arg<ffi::AnyBuffer>())
+      .template Attr<float>("softcap");
 }
 
 template <typename Binding>

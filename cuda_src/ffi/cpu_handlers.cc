@@ -81,7 +81,7 @@ ffi::Error PagedFwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashPagedFwdCpu, jax_flash::PagedFwdCpu,
                               jax_flash::BindPagedForward(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashFwdCpu, jax_flash::FwdCpu,
-                              jax_flash::BindForward(xla::ffi::Ffi::Bind()));
+                              jax_flash::BindForwardV2(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBwdCpu, jax_flash::BwdCpu,
                               jax_flash::BindBackward(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashFwdCpuV1, jax_flash::FwdCpuV1,

@@ -42,19 +42,42 @@ int LaunchBackward(const JfBwdArgs& args, cudaStream_t stream, char* err, size_t
   return jax_flash_bwd_sm80(&args, stream, err, n);
 }
 
-ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::AnyBuffer q_ids,
-                   ffi::AnyBuffer kv_ids, ffi::AnyBuffer kv_bounds, ffi::AnyBuffer q_bounds,
-                   ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale,
-                   int32_t diag_offset, int32_t window_left, int32_t window_right,
-                   float softcap) {
+ffi::Error FwdCudaWith(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
+                       const SegmentBuffers& segments, const ffi::AnyBuffer* sinks,
+                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                       float scale, int32_t diag_offset, int32_t window_left,
+                       int32_t window_right, float softcap) {
   g_handler_calls.fetch_add(1, std::memory_order_relaxed);
   auto launch = [stream](const JfFwdArgs& args) {
     return CallKernel([&](char* err, size_t n) { return LaunchForward(args, stream, err, n); });
   };
-  return AttentionForward(launch, q, k, v, q_lens, kv_lens,
-                          SegmentBuffers{q_ids, kv_ids, kv_bounds, q_bounds}, o, lse, scale,
-                          diag_offset, window_left, window_right, Options{softcap, 0});
+  return AttentionForward(launch, q, k, v, q_lens, kv_lens, segments, o, lse, scale, diag_offset,
+                          window_left, window_right, Options{softcap, 0}, sinks);
+}
+
+// v3: the sinks after q_bounds (attention_ffi.h: ReadSinks), which only the
+// sm90 kernels take (the sm80 launcher refuses them).
+ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::AnyBuffer q_ids,
+                   ffi::AnyBuffer kv_ids, ffi::AnyBuffer kv_bounds, ffi::AnyBuffer q_bounds,
+                   ffi::AnyBuffer sinks, ffi::Result<ffi::AnyBuffer> o,
+                   ffi::Result<ffi::AnyBuffer> lse, float scale, int32_t diag_offset,
+                   int32_t window_left, int32_t window_right, float softcap) {
+  return FwdCudaWith(stream, q, k, v, q_lens, kv_lens,
+                     SegmentBuffers{q_ids, kv_ids, kv_bounds, q_bounds}, &sinks, o, lse, scale,
+                     diag_offset, window_left, window_right, softcap);
+}
+
+ffi::Error FwdCudaV2(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                     ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::AnyBuffer q_ids,
+                     ffi::AnyBuffer kv_ids, ffi::AnyBuffer kv_bounds, ffi::AnyBuffer q_bounds,
+                     ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale,
+                     int32_t diag_offset, int32_t window_left, int32_t window_right,
+                     float softcap) {
+  return FwdCudaWith(stream, q, k, v, q_lens, kv_lens,
+                     SegmentBuffers{q_ids, kv_ids, kv_bounds, q_bounds}, nullptr, o, lse, scale,
+                     diag_offset, window_left, window_right, softcap);
 }
 
 ffi::Error FwdCudaV1(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -62,8 +85,8 @@ ffi::Error FwdCudaV1(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
                      ffi::AnyBuffer kv_ids, ffi::AnyBuffer kv_bounds, ffi::AnyBuffer q_bounds,
                      ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale,
                      int32_t diag_offset, int32_t window_left, int32_t window_right) {
-  return FwdCuda(stream, q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, o, lse,
-                 scale, diag_offset, window_left, window_right, 0.0f);
+  return FwdCudaV2(stream, q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, o, lse,
+                   scale, diag_offset, window_left, window_right, 0.0f);
 }
 
 ffi::Error BwdCudaWith(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -141,7 +164,12 @@ extern "C" int64_t JaxFlashCudaHandlerCalls() {
 // replays them from a graph and that the results do not change.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFlashFwdCuda, jax_flash::FwdCuda,
-    jax_flash::BindForward(
+    jax_flash::BindForwardV3(
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFlashFwdCudaV2, jax_flash::FwdCudaV2,
+    jax_flash::BindForwardV2(
         xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
     {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

@@ -109,6 +109,10 @@ int Validate(const JfFwdArgs* args, char* err, size_t err_len) {
                 p.has_segments);
   }
   if (jax_flash_launch::CheckOptions(p, "jax_flash_fwd_sm80", err, err_len) != 0) return 1;
+  if (args->sinks != nullptr) {
+    return Fail(err, err_len,
+                "jax_flash_fwd_sm80: takes no sinks (only jax_flash_fwd_sm90 adds them)");
+  }
   const bool has_q = p.batch > 0 && p.seqlen_q > 0;
   const bool has_kv = p.batch > 0 && p.seqlen_k > 0;
   const bool seg = p.has_segments == 1;

@@ -22,7 +22,8 @@ DIR/fwd_sm90_variants_sm_90a.h, which includes them all and defines
     JF_FWD_SM90_PAGED_VARIANTS_SM_90A(X)  ->  X(arch, JfDtype, head_dim, head_dim_v, prefix) ...
 
 for launch.cc. The tensor and scalar signature is the sm80 kernel's, so the
-generated wrappers take the same descriptors. `--only` and the kernel flags
+generated wrappers take the same descriptors, and then (all but the paged
+variants) the sinks right after the stream, before any segment tensors. `--only` and the kernel flags
 exist for benchmarking alternatives; the shipped build uses the defaults.
 """
 
@@ -35,6 +36,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from common.export_common import (  # noqa: E402
+    ROW_MAJOR_3D,
     ROW_MAJOR_4D,
     SCALAR_ALIGN,
     VECTOR_ALIGN,
@@ -94,6 +96,8 @@ def variant_name(arch: str, dtype_tag: str, head_dim: int, head_dim_v: int, has_
 
 def _fake_args(dtype, head_dim, head_dim_v, has_segments):
     import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
 
     fake = FakeProblem(head_dim)
     q = fake.bthd(dtype, fake.seqlen_q, fake.heads_q)
@@ -103,7 +107,11 @@ def _fake_args(dtype, head_dim, head_dim_v, has_segments):
     lse = fake.per_head_row(assumed_align=SCALAR_ALIGN)
     # scale, softcap, diag_offset, window_left, window_right
     scalars = (cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(-1), cutlass.Int32(-1))
-    args = (q, k, v, o, lse, fake.lens(), fake.lens(), *scalars, cutlass.runtime.make_fake_stream())
+    # [batch, heads_q, 1 or 0]: the sinks, or none (kernel.py: mSinks).
+    sinks = make_fake_compact_tensor(cutlass.Float32, (fake.batch, fake.heads_q, cute.sym_int()),
+                                     stride_order=ROW_MAJOR_3D, assumed_align=SCALAR_ALIGN)
+    args = (q, k, v, o, lse, fake.lens(), fake.lens(), *scalars, cutlass.runtime.make_fake_stream(),
+            sinks)
     if not has_segments:
         return args
     kv_bounds = fake.segment_bounds(fake.seqlen_q)

@@ -177,11 +177,14 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
         stream: cuda.CUstream,
+        mSinks: cute.Tensor,  # [B, Nq, 1] float32, or [B, Nq, 0]: no sinks
     ):
         """Entry point of the plain variant. The exported object records this
-        signature, so the segment tensors get their own entry point below."""
+        signature, so the segment tensors get their own entry point below.
+        mSinks: attention sinks (output_tile.py), read only where its last
+        mode is 1."""
         self._launch(mQ, mK, mV, mO, mLSE, mQLens, mKVLens, scale, softcap, diag_offset,
-                     window_left, window_right, stream, None, None, None)
+                     window_left, window_right, stream, mSinks, None, None, None)
 
     @cute.jit
     def call_with_segments(
@@ -189,13 +192,14 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
         mLSE: cute.Tensor, mQLens: cute.Tensor, mKVLens: cute.Tensor,
         scale: cutlass.Float32, softcap: cutlass.Float32, diag_offset: cutlass.Int32,
         window_left: cutlass.Int32, window_right: cutlass.Int32, stream: cuda.CUstream,
+        mSinks: cute.Tensor,  # as in __call__
         mQSeg: cute.Tensor,  # [B, T] int32
         mKVSeg: cute.Tensor,  # [B, S] int32
         mKVBounds: cute.Tensor,  # [B, T, 2] int32
     ):
         """Entry point of the packed-document variant (has_segments)."""
         self._launch(mQ, mK, mV, mO, mLSE, mQLens, mKVLens, scale, softcap, diag_offset,
-                     window_left, window_right, stream, mQSeg, mKVSeg, mKVBounds)
+                     window_left, window_right, stream, mSinks, mQSeg, mKVSeg, mKVBounds)
 
     @cute.jit
     def call_paged(
@@ -209,14 +213,16 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
         """Entry point of the paged variant (paged_kv.py): mK / mV are
         [num_pages, page_size, Nkv, H] pages, mKVLens the cache lengths, mO /
         mLSE hold one partial result per (sequence, split): [B * splits, ...].
-        The mask's diagonal is diag_offset from each sequence's bottom right."""
+        The mask's diagonal is diag_offset from each sequence's bottom right.
+        No sinks: the caller merges the splits and adds them."""
         self._launch(mQ, mK, mV, mO, mLSE, mQLens, mKVLens, scale, softcap, diag_offset,
-                     window_left, window_right, stream, None, None, None, mPageTable, split_pages)
+                     window_left, window_right, stream, None, None, None, None, mPageTable,
+                     split_pages)
 
     @cute.jit
     def _launch(
         self, mQ, mK, mV, mO, mLSE, mQLens, mKVLens, scale, softcap, diag_offset,
-        window_left, window_right, stream, mQSeg, mKVSeg, mKVBounds, mPageTable=None,
+        window_left, window_right, stream, mSinks, mQSeg, mKVSeg, mKVBounds, mPageTable=None,
         split_pages=None,
     ):
         if cutlass.const_expr(self.has_segments != (mQSeg is not None)):
@@ -308,7 +314,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
             tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, tma_o, mO_tma,
             mLSE, mQLens, mKVLens,
             scale, softcap, diag_offset, window_left, window_right,
-            mQSeg, mKVSeg, mKVBounds, mPageTable, split_pages,
+            mSinks, mQSeg, mKVSeg, mKVBounds, mPageTable, split_pages,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(
@@ -341,6 +347,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
         diag_offset: cutlass.Int32,
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
+        mSinks: Optional[cute.Tensor],
         mQSeg: Optional[cute.Tensor],
         mKVSeg: Optional[cute.Tensor],
         mKVBounds: Optional[cute.Tensor],
@@ -478,12 +485,17 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers())
             scale_log2, softcap_in = logit_scales(scale, softcap)
+            # The sink of this (batch, query head); -inf, which adds nothing, without one.
+            sink = -cutlass.Float32.inf
+            if cutlass.const_expr(mSinks is not None):
+                if mSinks.shape[2] > 0:
+                    sink = mSinks[batch, head_q, 0]
             self._consume(
                 tidx % WG_THREADS, wg_idx - 1, tma_o, mO, mLSE, sQ, sK, sV, sO,
                 pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
                 scale_log2, softcap_in, diag_offset, window_left, window_right,
                 head_q, batch, wg_tile0, q_len, kv_len, n_block_min, n_block_max,
-                num_n_blocks, mQSeg, mKVSeg,
+                num_n_blocks, mQSeg, mKVSeg, sink,
             )
         if cutlass.const_expr(self.cluster_size > 1):
             # No CTA may exit while its peer can still arrive on its barriers.
@@ -497,7 +509,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
         pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
         scale_log2, softcap_in, diag_offset, window_left, window_right,
         head_q, batch, wg_tile0, q_len, kv_len, n_block_min, n_block_max, num_n_blocks,
-        mQSeg, mKVSeg,
+        mQSeg, mKVSeg, sink,
     ):
         tile_n = self.tile_n
         row_start = (wg_tile0 + wg) * WG_ROWS
@@ -676,6 +688,6 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
             self._turn_pass(wg)
 
         store_output_tile(tidx, self.bar_epilogue + wg, tOsO, acc_O, acc_O_mn, tScS, row_max,
-                          row_sum, scale_log2, sO_wg, tma_o, mO, mLSE, head_q, batch,
+                          row_sum, scale_log2, sink, sO_wg, tma_o, mO, mLSE, head_q, batch,
                           wg_tile0 + wg, row_start, q_len, self.dtype, (WG_ROWS, self.head_dim_v),
                           WG_THREADS)

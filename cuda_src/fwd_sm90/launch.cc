@@ -44,19 +44,32 @@ using jax_flash_launch::Prod;
 
 #define JF_FWD_ENTRY "jax_flash_fwd_sm90"
 
+// Every variant but the paged one takes the sinks (kernel.py: mSinks, [B,
+// Nq, 1] or, without sinks, [B, Nq, 0], which the kernel never reads) right
+// after the stream, before any segment tensors.
+#define JF_FWD90_SINK_TENSORS(prefix)                                       \
+  const int32_t sink_cols = a.sinks != nullptr;                             \
+  prefix##_Tensor_mSinks_t sinks = {const_cast<float*>(a.sinks),            \
+                                    {p.batch, p.heads_q, sink_cols},        \
+                                    {Prod(p.heads_q, sink_cols), sink_cols}};
+#define JF_FWD90_SINK_SEG_TENSORS(prefix) \
+  JF_FWD90_SINK_TENSORS(prefix)           \
+  JF_FWD_SEG_TENSORS(prefix)
+#define JF_FWD90_SINK_ARGS , &sinks
+#define JF_FWD90_SINK_SEG_ARGS , &sinks JF_FWD_SEG_ARGS
 // The variant lists carry head_dim_v (fwd_launch_common.h reads it from the
-// problem), which the shared definitions do not take.
+// problem) and the kinds' own columns, which the definitions do not take.
 #define JF_DEFINE_FWD90_VARIANT(arch_tag, dtype_enum, hd, hd_v, prefix) \
-  JF_DEFINE_FWD_VARIANT(arch_tag, dtype_enum, hd, prefix)
+  JF_DEFINE_FWD_LAUNCH(prefix, JF_FWD90_SINK_TENSORS, JF_FWD90_SINK_ARGS)
 #define JF_DEFINE_FWD90_SEG_VARIANT(arch_tag, dtype_enum, hd, hd_v, prefix) \
-  JF_DEFINE_FWD_SEG_VARIANT(arch_tag, dtype_enum, hd, prefix)
+  JF_DEFINE_FWD_LAUNCH(prefix, JF_FWD90_SINK_SEG_TENSORS, JF_FWD90_SINK_SEG_ARGS)
 #define JF_DEFINE_FWD_SHORT_VARIANT(arch_tag, dtype_enum, hd, prefix, max_causal, max_full) \
-  JF_DEFINE_FWD_VARIANT(arch_tag, dtype_enum, hd, prefix)
+  JF_DEFINE_FWD90_VARIANT(arch_tag, dtype_enum, hd, hd, prefix)
 JF_FWD_SM90_VARIANTS_SM_90A(JF_DEFINE_FWD90_VARIANT)
 JF_FWD_SM90_SEG_VARIANTS_SM_90A(JF_DEFINE_FWD90_SEG_VARIANT)
 JF_FWD_SM90_SHORT_VARIANTS_SM_90A(JF_DEFINE_FWD_SHORT_VARIANT)
 #define JF_DEFINE_FWD_PAIR_VARIANT(arch_tag, dtype_enum, hd, hd_v, prefix, min_seqlen_q) \
-  JF_DEFINE_FWD_VARIANT(arch_tag, dtype_enum, hd, prefix)
+  JF_DEFINE_FWD90_VARIANT(arch_tag, dtype_enum, hd, hd_v, prefix)
 JF_FWD_SM90_PAIR_VARIANTS_SM_90A(JF_DEFINE_FWD_PAIR_VARIANT)
 #undef JF_DEFINE_FWD_PAIR_VARIANT
 #undef JF_DEFINE_FWD_SHORT_VARIANT
@@ -309,6 +322,11 @@ extern "C" int jax_flash_fwd_sm90_paged(const JfPagedFwdArgs* args, void* stream
     return Fail(err, err_len, "jax_flash_fwd_sm90_paged: launch failed: %s", cudaGetErrorString(e));
   }
   return 0;
+}
+
+extern "C" int jax_flash_fwd_sm90_has_variant(int32_t dtype, int32_t head_dim,
+                                              int32_t head_dim_v, int32_t has_segments) {
+  return FindVariant(static_cast<JfDtype>(dtype), head_dim, head_dim_v, has_segments) != nullptr;
 }
 
 extern "C" int jax_flash_fwd_sm90_can_implement(const JfProblem* problem) {

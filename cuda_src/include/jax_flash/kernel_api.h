@@ -52,6 +52,14 @@
 // A query row that sees no key writes zeros to o and -inf to lse; its
 // gradients are zero.
 //
+// Attention sinks (JfFwdArgs.sinks, jax_flash_fwd_sm90 only; NULL: none):
+//   sinks    [batch, heads_q] float32, a logit per (batch entry, query head)
+//            that joins every row's softmax denominator without a value row:
+//            a row that sees keys gets o = sum_j e^(s_j - lse) v_j and lse =
+//            log(sum_j e^(s_j) + e^(sink)); a row that sees none writes zeros
+//            to o and its sink to lse. A sink of -inf changes no bit.
+// The other forward entry points take no sinks and fail on a non-NULL one.
+//
 // Soft capping (problem.softcap > 0): the logit of a visible pair is
 // softcap * tanh(scale * q.k / softcap) instead of scale * q.k.
 //
@@ -114,6 +122,7 @@ typedef struct JfFwdArgs {
   const int32_t* kv_segment_ids;
   const int32_t* kv_bounds;
   const int32_t* q_bounds;
+  const float* sinks;  // NULL, or [batch, heads_q] (see above)
 } JfFwdArgs;
 
 typedef struct JfBwdArgs {
@@ -186,6 +195,12 @@ int jax_flash_bwd_sm80(const JfBwdArgs* args, void* stream, char* err,
 // Hopper (sm_90a) kernels. can_implement returns 1 when they serve the
 // problem on the current device; otherwise the sm80 kernels run.
 int jax_flash_fwd_sm90_can_implement(const JfProblem* problem);
+// 1 when this build holds an sm90 forward variant for the dtype (JfDtype),
+// head dims and has_segments (0 or 1): can_implement then accepts every
+// problem of them on a Hopper GPU with seqlen_k > 0 and batch, heads_q <=
+// 65535. Python asks it to know, while tracing, which kernel will run.
+int jax_flash_fwd_sm90_has_variant(int32_t dtype, int32_t head_dim, int32_t head_dim_v,
+                                   int32_t has_segments);
 int jax_flash_fwd_sm90(const JfFwdArgs* args, void* stream, char* err,
                        size_t err_len);
 int jax_flash_bwd_sm90_can_implement(const JfProblem* problem);
