@@ -2,8 +2,9 @@
 base of ``attention_base.AttentionTestBase``, so every backend class runs it.
 
 The truth is ``reference.attention_reference`` with the sink as one more
-softmax column (in float64), independent of ``jax_flash/_sinks.py``, which
-folds the sink into the kernels' ``(out, lse)``. Gradients flow from random
+softmax column (in float64), independent of where jax_flash adds the sink
+(the Hopper forward kernel's epilogue, else ``jax_flash/_sinks.py`` after
+the call; tests/test_sinks_kernel.py checks which). Gradients flow from random
 cotangents of both ``out`` and ``lse`` (a loss through the lse is how the
 sink's gradient mixes the two), to q, k, v and the sinks.
 """
