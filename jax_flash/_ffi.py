@@ -332,9 +332,9 @@ def _forward_on(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, si
   v = _pad_last(v, _value_padding(q, v, q_ids, call, "fwd"))
   if sinks.shape[-1] and kernel_applies_sinks(q, k, v, q_ids, call):
     out, lse = _forward(q, k, v, *masks, sinks, call)
-  else:
-    out, lse = _with_sinks(*_packed_forward(q, k, v, *masks, call), sinks)
-  return out[..., :head_dim_v], lse
+    return out[..., :head_dim_v], lse
+  out, lse = _packed_forward(q, k, v, *masks, call)
+  return _with_sinks(out[..., :head_dim_v], lse, sinks)
 
 
 def _with_sinks(out, lse, sinks):
