@@ -43,6 +43,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from common.dsl_common import LOG2E, wgmma_acc_as_operand_a, wgmma_acc_as_rows_cols
+from common.nonfinite import is_nonfinite
 from fwd_sm90.online_softmax import online_softmax, quad_allreduce, rescale_rows, store_converted
 
 ROWS = 64  # query rows of a tile: one WGMMA accumulator's
@@ -306,8 +307,7 @@ class MlaDecodeSm90:
             for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
                 if key <= last_key[r]:
                     for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                        v = cutlass.Float32(sV_wg[tOcO[r, c][1], key - first, stage])
-                        if v - v != 0.0:
+                        if is_nonfinite(cutlass.Float32(sV_wg[tOcO[r, c][1], key - first, stage])):
                             acc_O_mn[r, c] = cutlass.Float32(math.nan)
         cute.arch.barrier(barrier_id=BAR_OWN + wg, number_of_threads=WG_THREADS)
         zero = self.dtype(0.0)
@@ -317,10 +317,8 @@ class MlaDecodeSm90:
             column = i % V_COLS
             if key + first >= kv_len:
                 sV_wg[column, key, stage] = zero
-            else:
-                v = cutlass.Float32(sV_wg[column, key, stage])
-                if v - v != 0.0:
-                    sV_wg[column, key, stage] = zero
+            elif is_nonfinite(cutlass.Float32(sV_wg[column, key, stage])):
+                sV_wg[column, key, stage] = zero
         # The generic-proxy writes must be visible to the WGMMA (async proxy).
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=BAR_OWN + wg, number_of_threads=WG_THREADS)
