@@ -13,9 +13,12 @@ OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 bash scripts/gpu_check.sh "$AOT_DIR" none || exit 1
-if [[ -n ${SMOKE:-} ]]; then
+smoke=0
+if [[ -n ${SMOKE:-} ]]; then  # a quick script first: its failure skips the benchmark
   echo "== smoke ($(date +%T))"
-  timeout "${SMOKE_TIMEOUT:-90}" python3 "$SMOKE" 2>&1 | tail -30
+  timeout "${SMOKE_TIMEOUT:-90}" python3 "$SMOKE" >"$OUT/smoke.log" 2>&1
+  smoke=$?
+  tail -30 "$OUT/smoke.log"
 fi
 echo "== MLA GPU tests ($(date +%T))"
 timeout "${TEST_TIMEOUT:-150}" python3 -m pytest tests/test_mla.py -k "${TESTS_K:-Gpu}" -v -n 4 \
@@ -23,6 +26,7 @@ timeout "${TEST_TIMEOUT:-150}" python3 -m pytest tests/test_mla.py -k "${TESTS_K
 echo "tests: exit $?"
 grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" "$OUT/tests.log" | tail -40
 echo "== MLA benchmark ($(date +%T))"
+[[ $smoke == 0 ]] || { echo "skipped: the smoke script failed (exit $smoke)"; exit 1; }
 timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/bench_mla.py --kv-dtypes bfloat16 \
     --out "$OUT/bench_mla.json" "$@" 2>&1 | tee "$OUT/bench.log"
 echo "== done ($(date +%T))"
