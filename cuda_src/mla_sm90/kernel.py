@@ -16,10 +16,13 @@ table and loads it whole (64 x 576) with TMA into a two-stage ring. The
 page is the K tile of S = Q K^T and, through a transposed view of the same
 shared memory, its first 512 columns are the V tile of O = P V.
 
-Warpgroups 1 and 2 are the consumers. Each owns half of O's 512 columns
-(a 64 x 256 float32 accumulator) and computes the whole S tile itself: the
-two compute the same S and the same softmax bit for bit, so neither waits
-on the other, at the price of doing the S product (53% of the FLOPs) twice.
+Warpgroups 1 and 2 are the consumers. Each computes S for its half of the
+page's keys (64 x 32), the two exchange their rows' maxima through shared
+memory (so both hold the same running maximum, bit for bit), each writes
+its half of P = exp(S - max) into one shared 64 x 64 tile, and each then
+multiplies the whole P by its half of V: each owns half of O's 512 columns
+(a 64 x 256 float32 accumulator). Two named barriers per page order the
+exchanges; the row sums are exchanged once, at the end.
 
 Visibility: query token t of a sequence with q_len new tokens and `total`
 cached ones sees keys up to total - q_len + t. Only the split's last tiles
@@ -32,6 +35,7 @@ column NaN exactly for the rows that see its key (docs/numerics.md).
 """
 
 import math
+import operator
 
 import cuda.bindings.driver as cuda
 
@@ -44,7 +48,8 @@ from cutlass.tensor_utils import LayoutEnum
 
 from common.dsl_common import LOG2E, wgmma_acc_as_operand_a, wgmma_acc_as_rows_cols
 from common.nonfinite import is_nonfinite
-from fwd_sm90.online_softmax import online_softmax, quad_allreduce, rescale_rows, store_converted
+from fwd_sm90.online_softmax import (
+    RESCALE_THRESHOLD_LOG2, quad_allreduce, reduce_row, rescale_rows, store_converted)
 
 ROWS = 64  # query rows of a tile: one WGMMA accumulator's
 PAGE = 64  # tokens per page: one K / V tile
@@ -52,8 +57,9 @@ HEAD_DIM = 576  # latent + RoPE columns
 LATENT = 512  # the V columns
 CONSUMERS = 2
 V_COLS = LATENT // CONSUMERS  # O columns per consumer warpgroup
+KEY_HALF = PAGE // CONSUMERS  # S columns (keys) per consumer warpgroup
 WG_THREADS = 128
-KV_STAGES = 2  # Q (72 KiB) + 2 pages (144 KiB) fill the 227 KiB of shared memory
+KV_STAGES = 2  # Q (72 KiB) + 2 pages (144 KiB) + P (8 KiB) fill the 227 KiB of shared memory
 # setmaxnreg: 128 * 24 + 256 * 240 <= 65536 registers of the CTA.
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
@@ -93,16 +99,17 @@ class MlaDecodeSm90:
         mOt = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 2, 0]))
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            cutlass.Float32, (1, 1, 1), (ROWS, PAGE), warpgroup.OperandSource.SMEM)
+            cutlass.Float32, (1, 1, 1), (ROWS, KEY_HALF), warpgroup.OperandSource.SMEM)
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-            cutlass.Float32, (1, 1, 1), (ROWS, V_COLS), warpgroup.OperandSource.RMEM)
+            cutlass.Float32, (1, 1, 1), (ROWS, V_COLS), warpgroup.OperandSource.SMEM)
         sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (ROWS, PAGE, HEAD_DIM), dtype, 1)
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (ROWS, PAGE, HEAD_DIM), dtype,
                                                   KV_STAGES)
         # O leaves through Q's memory, each consumer's half as one stage.
         sO_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (ROWS, PAGE, V_COLS), dtype,
                                                   CONSUMERS)
+        sP_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (ROWS, V_COLS, PAGE), dtype, 1)
         sQ_stage = cute.slice_(sQ_layout, (None, None, 0))
         sK_stage = cute.slice_(sK_layout, (None, None, 0))
         sO_stage = cute.slice_(sO_layout, (None, None, 0))
@@ -118,6 +125,9 @@ class MlaDecodeSm90:
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * KV_STAGES]
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sP_layout)], 1024]
+            # Per consumer, a value per row: the exchanged maxima and sums.
+            sRow: cute.struct.MemRange[cutlass.Float32, CONSUMERS * ROWS]
 
         self.q_bytes = cute.size_in_bytes(dtype, sQ_stage)
         self.k_bytes = cute.size_in_bytes(dtype, sK_stage)
@@ -125,7 +135,7 @@ class MlaDecodeSm90:
         grid = (cute.ceil_div(rows, ROWS), cute.size(mO.shape[0]), 1)
         self.kernel(
             tma_q, mQ_tma, tma_k, mK_tma, tma_o, mO_tma, mLSE, mPageTable, mQLens, mKVLens,
-            scale, heads, split_pages, rows, sQ_layout, sK_layout, sO_layout,
+            scale, heads, split_pages, rows, sQ_layout, sK_layout, sO_layout, sP_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(grid=grid, block=[WG_THREADS * (1 + CONSUMERS), 1, 1], stream=stream)
 
@@ -149,6 +159,7 @@ class MlaDecodeSm90:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
@@ -166,6 +177,8 @@ class MlaDecodeSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)[None, None, 0]
+        sRow = storage.sRow.get_tensor(cute.make_layout(CONSUMERS * ROWS))
         # V (512 columns, 64 keys, stage): the K stages read transposed. The
         # K layout's index is key + 64 * column + 64 * 576 * stage.
         transpose = cute.make_layout((LATENT, PAGE, KV_STAGES), stride=(PAGE, 1, PAGE * HEAD_DIM))
@@ -192,7 +205,7 @@ class MlaDecodeSm90:
                               row_tile)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self._consume(tidx % WG_THREADS, wg_idx - 1, sQ, sK, sV, sO, pipe_q, pipe_k,
+            self._consume(tidx % WG_THREADS, wg_idx - 1, sQ, sK, sV, sO, sP, sRow, pipe_q, pipe_k,
                           tiled_mma_qk, tiled_mma_pv, tma_o, mO, mLSE, split, scale * LOG2E,
                           heads, rows, row_tile, out_idx)
 
@@ -219,24 +232,29 @@ class MlaDecodeSm90:
             kv_state.advance()
 
     @cute.jit
-    def _consume(self, tid, wg, sQ, sK, sV, sO, pipe_q, pipe_k, tiled_mma_qk, tiled_mma_pv,
-                 tma_o, mO, mLSE, split, scale_log2, heads, rows, row_tile, out_idx):
+    def _consume(self, tid, wg, sQ, sK, sV, sO, sP, sRow, pipe_q, pipe_k, tiled_mma_qk,
+                 tiled_mma_pv, tma_o, mO, mLSE, split, scale_log2, heads, rows, row_tile, out_idx):
         thr_qk = tiled_mma_qk.get_slice(tid)
         thr_pv = tiled_mma_pv.get_slice(tid)
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ[None, None, 0]))
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        # This warpgroup's 32 keys of each page: (32, 576, stage).
+        sK_wg = cute.flat_divide(sK, (KEY_HALF, HEAD_DIM))[None, None, wg, 0, None]
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK_wg))
         # This warpgroup's 256 V columns: (256, 64 keys, stage).
         sV_wg = cute.flat_divide(sV, (V_COLS, PAGE))[None, None, wg, 0, None]
         tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV_wg))
+        tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
+        # Where this warpgroup's P columns go in the shared P tile.
+        tPsP = thr_qk.partition_C(cute.flat_divide(sP, (ROWS, KEY_HALF))[None, None, 0, wg])
         acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((ROWS, V_COLS)))
         acc_O.fill(0.0)
         sO_wg = sO[None, None, wg]
         tOsO = thr_pv.partition_C(sO_wg)
         tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
-        acc_S_shape = thr_qk.partition_shape_C((ROWS, PAGE))
+        acc_S_shape = thr_qk.partition_shape_C((ROWS, KEY_HALF))
         acc_O_mn = wgmma_acc_as_rows_cols(acc_O)
         tOcO = wgmma_acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((ROWS, V_COLS))))
-        tScS = wgmma_acc_as_rows_cols(thr_qk.partition_C(cute.make_identity_tensor((ROWS, PAGE))))
+        tScS = wgmma_acc_as_rows_cols(thr_qk.partition_C(cute.make_identity_tensor((ROWS, KEY_HALF))))
         num_rows = cute.size(tScS, mode=[0])
         row_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         row_sum = cute.make_rmem_tensor(num_rows, cutlass.Float32)
@@ -251,7 +269,6 @@ class MlaDecodeSm90:
         # Keys up to this one are seen by every query row.
         shared_keys = cutlass.min(split.diagonal, split.kv_len - 1)
         rP = cute.make_rmem_tensor(acc_S_shape, self.dtype)
-        tOrP = cute.make_tensor(rP.iterator, wgmma_acc_as_operand_a(rP.layout))
 
         kv_len, tiles = split.kv_len, split.tiles
         pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
@@ -272,25 +289,70 @@ class MlaDecodeSm90:
             if partial:
                 for r in cutlass.range_constexpr(num_rows):
                     for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                        if first + tScS[r, c][1] > last_key[r]:
+                        if first + wg * KEY_HALF + tScS[r, c][1] > last_key[r]:
                             acc_S_mn[r, c] = -cutlass.Float32.inf
-            online_softmax(acc_S_mn, row_max, row_sum, factor, scale_log2, True)
+            # Both warpgroups have read the page as K once this returns.
+            self._softmax(acc_S_mn, tScS, row_max, row_sum, factor, scale_log2, sRow, wg, tid)
             rescale_rows(acc_O_mn, factor, True)
-            store_converted(acc_S, rP)
             if partial:
                 self._clean_values(tid, wg, sV_wg, kv_state.index, acc_O_mn, tOcO, last_key,
                                    first, shared_keys, kv_len)
+            store_converted(acc_S, rP)
+            cute.autovec_copy(rP, tPsP)
+            # The P writes must be visible to both warpgroups' WGMMAs (async proxy).
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=CONSUMERS * WG_THREADS)
             warpgroup.fence()
             for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
                 cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, k],
                           tOrV[None, None, k, kv_state.index], acc_O)
             warpgroup.commit_group()
+            # Waited for before the next page's maxima are exchanged, so that
+            # nobody writes P while a P V product still reads it.
             warpgroup.wait_group(0)
             pipe_k.consumer_release(kv_state)
             kv_state.advance()
 
         self._store(tid, wg, acc_O, acc_O_mn, tOsO, tScS, row_max, row_sum, scale_log2, sO_wg,
-                    tma_o, mO, mLSE, split, heads, rows, row_tile, out_idx)
+                    sRow, tma_o, mO, mLSE, split, heads, rows, row_tile, out_idx)
+
+    @cute.jit
+    def _exchange(self, values, op, tScS, sRow, wg, tid):
+        """values[r] <- op(this warpgroup's, the other's) for each of the
+        thread's rows: the same bits in both (op commutes), through sRow and
+        one barrier of both consumers. The next exchange's writes come after
+        another barrier of both, so none overwrites a value still unread."""
+        for r in cutlass.range_constexpr(cute.size(values)):
+            if tid % 4 == 0:
+                sRow[wg * ROWS + tScS[r, 0][0]] = values[r]
+        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=CONSUMERS * WG_THREADS)
+        for r in cutlass.range_constexpr(cute.size(values)):
+            values[r] = op(values[r], sRow[(1 - wg) * ROWS + tScS[r, 0][0]])
+
+    @cute.jit
+    def _softmax(self, acc_S_mn, tScS, row_max, row_sum, factor, scale_log2, sRow, wg, tid):
+        """The online softmax of fwd_sm90 (conditional rescaling included)
+        over a page whose keys are split between the consumers: the page's
+        row maxima are exchanged, each keeps the sum of its own keys' P."""
+        num_rows = cute.size(acc_S_mn, mode=[0])
+        tile_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
+        for r in cutlass.range_constexpr(num_rows):
+            tile_max[r] = quad_allreduce(reduce_row(acc_S_mn, r, cute.arch.fmax, 1), cute.arch.fmax)
+        self._exchange(tile_max, cute.arch.fmax, tScS, sRow, wg, tid)
+        for r in cutlass.range_constexpr(num_rows):
+            prev_max = row_max[r]
+            new_max = cute.arch.fmax(prev_max, tile_max[r])
+            if (new_max - prev_max) * scale_log2 <= RESCALE_THRESHOLD_LOG2:
+                new_max = prev_max
+            max_scaled = cutlass.Float32(0.0)
+            factor[r] = cutlass.Float32(1.0)
+            if new_max != -cutlass.Float32.inf:
+                max_scaled = new_max * scale_log2
+                factor[r] = cute.arch.exp2((prev_max - new_max) * scale_log2)
+            row_max[r] = new_max
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                acc_S_mn[r, c] = cute.arch.exp2(acc_S_mn[r, c] * scale_log2 - max_scaled)
+            row_sum[r] = row_sum[r] * factor[r] + reduce_row(acc_S_mn, r, operator.add, 1)
 
     @cute.jit
     def _clean_values(self, tid, wg, sV_wg, stage, acc_O_mn, tOcO, last_key, first, shared_keys,
@@ -301,7 +363,6 @@ class MlaDecodeSm90:
         cache), so that P = 0 times it cannot reach the other rows. Both
         consumers have read the tile as K first; each cleans its own
         columns."""
-        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=CONSUMERS * WG_THREADS)
         band_end = cutlass.min(kv_len, first + PAGE)
         for key in cutlass.range(cutlass.max(shared_keys + 1, first), band_end, unroll=1):
             for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
@@ -325,12 +386,18 @@ class MlaDecodeSm90:
 
     @cute.jit
     def _store(self, tid, wg, acc_O, acc_O_mn, tOsO, tScS, row_max, row_sum, scale_log2, sO_wg,
-               tma_o, mO, mLSE, split, heads, rows, row_tile, out_idx):
+               sRow, tma_o, mO, mLSE, split, heads, rows, row_tile, out_idx):
         """O normalised (zeros for rows that see no key or are padding),
         the natural-log LSE (-inf for those rows; NaN for a row that saw a
         NaN logit), and O stored through Q's memory with TMA."""
-        for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
-            total = quad_allreduce(row_sum[r], lambda a, b: a + b)
+        num_rows = cute.size(acc_O_mn, mode=[0])
+        totals = cute.make_rmem_tensor(num_rows, cutlass.Float32)
+        for r in cutlass.range_constexpr(num_rows):
+            totals[r] = quad_allreduce(row_sum[r], operator.add)
+        # Each consumer summed the P of its own keys.
+        self._exchange(totals, operator.add, tScS, sRow, wg, tid)
+        for r in cutlass.range_constexpr(num_rows):
+            total = totals[r]
             row = row_tile * ROWS + tScS[r, 0][0]
             seen = total != 0.0 and row // heads < split.q_len
             inv = cute.arch.rcp_approx(total)
