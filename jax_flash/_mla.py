@@ -20,7 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _api as api, _ffi as ffi, _paged as paged, _validation as validation
+from jax.sharding import AxisType
+
+from jax_flash import _api as api, _ffi as ffi, _paged as paged, _sharding as sharding
+from jax_flash import _validation as validation
 from jax_flash._mla_fp8 import (FP8_DTYPE, HEAD_DIM, LATENT_DIM, PAGE_SIZE, ROPE_DIM,
                                ROPE_DTYPE, MlaFp8Cache, empty_fp8_cache, fp8_reference,
                                quantize_latent, write_fp8_cache,
@@ -202,6 +205,10 @@ def _kernel_unavailable_reason(q, cache) -> str | None:
     return ("jax_flash has no MLA decode kernel for the FP8 latent cache yet (the Hopper kernel "
             "serves the bfloat16 / float16 cache); implementation=None or 'xla' runs the XLA "
             "composition")
+  if _sharded_over_explicit_axes(q):
+    return ("the MLA decode kernel has no partitioning rule yet, and q is sharded over "
+            "Explicit mesh axes; implementation=None or 'xla' runs the XLA composition, which "
+            "partitions by itself")
   platform = api._platform_of(q, cache)
   if platform != "gpu":
     return (f"jax_flash's MLA decode kernel runs on Hopper GPUs, not on platform {platform!r}; "
@@ -214,6 +221,16 @@ def _kernel_unavailable_reason(q, cache) -> str | None:
   if jnp.shape(cache)[0] == 0:
     return "the MLA decode kernel needs a cache of at least one page"
   return None
+
+
+def _sharded_over_explicit_axes(q) -> bool:
+  """Whether q's type shards it over an Explicit mesh axis (an ffi_call
+  there needs a rule for its results' shardings)."""
+  q_sharding = jax.typeof(q).sharding
+  explicit = {name for name, kind in zip(q_sharding.mesh.axis_names, q_sharding.mesh.axis_types)
+              if kind == AxisType.Explicit}
+  return any(set(sharding.axes_of(entry)) & explicit
+             for entry in sharding._spec(q_sharding, jnp.ndim(q)))
 
 
 def _check_scale(scale) -> float:

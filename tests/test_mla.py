@@ -457,6 +457,23 @@ def test_tensor_parallel_heads(fp8, axes):
               if c in text]
 
 
+def test_kernel_declines_heads_sharded_over_explicit_axes():
+  """The kernel has no partitioning rule: q sharded over an Explicit mesh
+  axis runs the composition (test_tensor_parallel_heads), and "flash"
+  says why."""
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+  if len(jax.devices()) < 2:
+    pytest.skip(f"needs 2 devices, {jax.default_backend()} has {len(jax.devices())}")
+  inputs, _ = make_batch(14, [300], [1], heads=16)
+  mesh = jax.make_mesh((2,), ("tp",), axis_types=(AxisType.Explicit,))
+  q = jax.device_put(inputs["q"], NamedSharding(mesh, P(None, None, "tp")))
+  assert "no partitioning rule" in mla._kernel_unavailable_reason(q, inputs["cache"])
+  auto = jax.make_mesh((2,), ("tp",), axis_types=(AxisType.Auto,))
+  assert not mla._sharded_over_explicit_axes(
+      jax.device_put(inputs["q"], NamedSharding(auto, P(None, None, "tp"))))
+
+
 def test_implementation_flash_names_what_is_missing():
   inputs, _ = make_batch(15, [40], [1], fp8=True)
   with pytest.raises(NotImplementedError, match=r"implementation='flash': jax_flash has no "
