@@ -45,11 +45,13 @@ from jax_flash import _benchmark as benchmark, _mla as mla, _mla_fp8 as mla_fp8
 SCALE = 192 ** -0.5
 PAGE, LATENT, WIDTH = mla_fp8.PAGE_SIZE, mla_fp8.LATENT_DIM, mla_fp8.HEAD_DIM
 KV_DTYPES = ("bfloat16", "float8_e4m3fn")
+IMPLS = ("jax_flash", "xla")
 BYTES_PER_TOKEN = {"bfloat16": 2 * WIDTH,
                    "float8_e4m3fn": LATENT + 4 + 2 * mla_fp8.ROPE_DIM}  # 1152 and 644
 GPU_SIZES = dict(batches=(128, 32), seqs=(4096, 8192, 16384, 32768), s_qs=(1, 2),
-                 heads=(128, 16))
-CPU_SIZES = dict(batches=(2,), seqs=(256, 1024), s_qs=(1, 2), heads=(16,))
+                 heads=(128, 16), kv_dtypes=KV_DTYPES, impls=IMPLS)
+CPU_SIZES = dict(batches=(2,), seqs=(256, 1024), s_qs=(1, 2), heads=(16,), kv_dtypes=KV_DTYPES,
+                 impls=IMPLS)
 # The XLA composition holds the gathered cache and the float32 logits beside
 # the pool: shapes past this many cached tokens skip it.
 MAX_XLA_TOKENS = 1 << 22
@@ -135,7 +137,7 @@ def run(sizes, cpu, ceiling):
   rows = []
   print(f"{'kv':>5} {'B':>4} {'S':>6} {'s_q':>3} {'H':>4}  {'impl':<20}{'ms':>9}{'TFLOPS':>8}"
         f"{'GB/s':>8}{'mm':>6}{'copy':>6}", flush=True)
-  for kv_dtype in KV_DTYPES:
+  for kv_dtype in sizes["kv_dtypes"]:
     for heads in sizes["heads"]:
       for batch in sizes["batches"]:
         for seq in sizes["seqs"]:
@@ -144,6 +146,8 @@ def run(sizes, cpu, ceiling):
             contiguous = None
             for impl, variant, fn, wants_rows in implementations(kv_dtype, cpu):
               label = f"{impl}:{variant}"
+              if impl not in sizes["impls"]:
+                continue
               if impl == "xla" and batch * seq > MAX_XLA_TOKENS:
                 continue
               if wants_rows and contiguous is None:
@@ -194,13 +198,15 @@ def main(argv=None) -> int:
   parser.add_argument("--seqs", type=int, nargs="+")
   parser.add_argument("--s-qs", type=int, nargs="+")
   parser.add_argument("--heads", type=int, nargs="+")
+  parser.add_argument("--kv-dtypes", nargs="+", choices=KV_DTYPES)
+  parser.add_argument("--impls", nargs="+", choices=IMPLS)
   parser.add_argument("--out", type=pathlib.Path, help="results file to write (one run)")
   args = parser.parse_args(argv)
   if not args.cpu_sizes and jax.default_backend() != "gpu":
     print("bench_mla: needs a GPU (or --cpu-sizes)")
     return 2
   sizes = {**(CPU_SIZES if args.cpu_sizes else GPU_SIZES),
-           **{k: tuple(v) for k in ("batches", "seqs", "s_qs", "heads")
+           **{k: tuple(v) for k in ("batches", "seqs", "s_qs", "heads", "kv_dtypes", "impls")
               if (v := getattr(args, k)) is not None}}
   device = jax.devices("cpu" if args.cpu_sizes else "gpu")[0]
   with jax.default_device(device):

@@ -78,12 +78,15 @@ endif()
 # launch.cc) and the architectures it is exported for. The sm80 family also
 # serves Hopper when the sm90 one declines a problem. Which GPUs may call
 # them: jax_flash/_gpu_support.py.
-set(JF_KERNEL_FAMILIES fwd_sm80 bwd_sm80 fwd_sm90 bwd_sm90 CACHE STRING
+set(JF_KERNEL_FAMILIES fwd_sm80 bwd_sm80 fwd_sm90 bwd_sm90 mla_sm90 CACHE STRING
     "Kernel families to build (folders of cuda_src)")
 set(JF_FAMILY_ARCHS_fwd_sm90 sm_90a)
 set(JF_FAMILY_ARCHS_fwd_sm80 sm_80 sm_90a)
 set(JF_FAMILY_ARCHS_bwd_sm80 sm_80 sm_90a)
 set(JF_FAMILY_ARCHS_bwd_sm90 sm_90a)
+set(JF_FAMILY_ARCHS_mla_sm90 sm_90a)
+# The MLA kernel traces the Hopper forward's online softmax.
+set(JF_FAMILY_SOURCES_mla_sm90 ${CMAKE_CURRENT_SOURCE_DIR}/cuda_src/fwd_sm90/online_softmax.py)
 # Each family and architecture is exported by this many processes, which
 # the build tool runs in parallel: one process per family left one core
 # compiling the Hopper forward alone for the last two of six minutes on two
@@ -138,6 +141,7 @@ foreach(family IN LISTS JF_KERNEL_FAMILIES)
       file(GLOB family_sources CONFIGURE_DEPENDS
            ${CMAKE_CURRENT_SOURCE_DIR}/cuda_src/${family}/*.py
            ${CMAKE_CURRENT_SOURCE_DIR}/cuda_src/common/*.py)
+      list(APPEND family_sources ${JF_FAMILY_SOURCES_${family}})
       set(export "${CMAKE_CURRENT_SOURCE_DIR}/cuda_src/export_kernels.py")
       set(stamps "")
       foreach(shard RANGE 1 ${JF_AOT_SHARDS})

@@ -8,14 +8,22 @@ the queries, decoding is multi-query attention with head dim 576 for
 ``jax_flash.paged_attention`` (its page table, lengths and causal rule),
 in pages of 64 tokens.
 
-Today every call runs the XLA composition (``mla_reference``); the Hopper
-kernels for both formats plug in behind the same function.
+On Hopper GPUs the bfloat16 / float16 cache runs jax_flash's kernel
+(``cuda_src/mla_sm90``): the keys of each sequence cut into splits of a
+fixed number of keys, one CTA per 64 packed query rows (s_q x heads) and
+split, the splits merged by ``paged.merge_splits``. Every other call (the
+FP8 cache, CPUs, other GPUs) runs the XLA composition (``mla_reference``).
 """
 
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _paged as paged, _validation as validation
+from jax.sharding import AxisType
+
+from jax_flash import _api as api, _ffi as ffi, _paged as paged, _sharding as sharding
+from jax_flash import _validation as validation
 from jax_flash._mla_fp8 import (FP8_DTYPE, HEAD_DIM, LATENT_DIM, PAGE_SIZE, ROPE_DIM,
                                ROPE_DTYPE, MlaFp8Cache, empty_fp8_cache, fp8_reference,
                                quantize_latent, write_fp8_cache,
@@ -25,6 +33,28 @@ __all__ = ["MlaFp8Cache", "empty_mla_cache", "mla_decode", "mla_reference", "qua
            "write_mla_cache"]
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_MLA_TARGET = "jax_flash_gpu_mla_decode_v1"
+# The kernel's query rows per CTA (cuda_src/mla_sm90/kernel.py: ROWS).
+_ROW_TILE = 64
+# Keys per split of the Hopper kernel, by whether a sequence's query rows
+# (s_q x heads) fill one tile of 64 or more: with one tile (the memory-bound
+# tensor-parallel shards) shorter splits give a batch of 32 enough CTAs; with
+# more, longer ones halve the partial results to merge. Neither depends on
+# the batch, so results stay batch invariant.
+_SPLIT_KEYS_ONE_TILE = 1024
+_SPLIT_KEYS = 2048
+
+
+def _register_cuda() -> bool:
+  library = ffi._cuda_library
+  handler = getattr(library, "JaxFlashMlaDecodeCuda", None) if library is not None else None
+  if handler is None or getattr(library, "jax_flash_mla_sm90", None) is None:
+    return False
+  jax.ffi.register_ffi_target(_MLA_TARGET, jax.ffi.pycapsule(handler), platform="CUDA")
+  return True
+
+
+_CUDA_REGISTERED = _register_cuda()
 
 
 def mla_decode(q, cache, page_table, cache_lengths, *, scale, query_lengths=None,
@@ -61,8 +91,8 @@ def mla_decode(q, cache, page_table, cache_lengths, *, scale, query_lengths=None
     implementation: ``None`` runs jax_flash's kernel where one applies and
       the XLA composition elsewhere; ``"flash"`` raises
       ``NotImplementedError`` where no kernel applies; ``"xla"``: the XLA
-      composition (``mla_reference``). No MLA kernel exists yet: every call
-      runs the composition.
+      composition (``mla_reference``). The kernel: the bfloat16 / float16
+      cache on a Hopper GPU.
 
   Page ids and lengths are checked when they are concrete; inside ``jit`` a
   page id outside the pool reads zeros and lengths clip to the table. A NaN
@@ -78,15 +108,38 @@ def mla_decode(q, cache, page_table, cache_lengths, *, scale, query_lengths=None
   _check_mla(q, cache, page_table, cache_lengths, query_lengths)
   scale = _check_scale(scale)
   return_lse = validation.check_flag(return_lse, "return_lse")
-  if implementation == "flash":
-    raise NotImplementedError(f"implementation='flash': {_kernel_unavailable_reason(cache)}")
+  reason = None if implementation == "xla" else _kernel_unavailable_reason(q, cache)
+  if implementation == "flash" and reason is not None:
+    raise NotImplementedError(f"implementation='flash': {reason}")
   batch, max_new = jnp.shape(q)[:2]
   if query_lengths is None:
     query_lengths = jnp.full((batch,), max_new, jnp.int32)
-  out, lse = mla_reference(q, cache, jnp.asarray(page_table, jnp.int32),
-                           jnp.asarray(cache_lengths, jnp.int32),
-                           jnp.asarray(query_lengths, jnp.int32), scale=scale)
+  attend = mla_reference if implementation == "xla" or reason is not None else _mla_kernel
+  out, lse = attend(q, cache, jnp.asarray(page_table, jnp.int32),
+                    jnp.asarray(cache_lengths, jnp.int32),
+                    jnp.asarray(query_lengths, jnp.int32), scale=scale)
   return (out, lse) if return_lse else out
+
+
+def _mla_kernel(q, cache, page_table, cache_lengths, query_lengths, *, scale: float):
+  """The Hopper kernel: per (64 packed query rows, sequence, split) a
+  partial result, merged in ``paged.merge_splits``'s fixed order."""
+  batch, s_q, heads, _ = q.shape
+  split_keys = _SPLIT_KEYS_ONE_TILE if s_q * heads <= _ROW_TILE else _SPLIT_KEYS
+  split_pages = split_keys // PAGE_SIZE
+  max_pages = page_table.shape[1]
+  splits = max(-(-max_pages // split_pages), 1)
+  # Lengths clip to the table (as in the composition); its padding is never read.
+  cache_lengths = jnp.clip(cache_lengths, 0, max_pages * PAGE_SIZE)
+  table = jnp.pad(page_table, [(0, 0), (0, splits * split_pages - max_pages)])
+  out_types = (jax.ShapeDtypeStruct((batch * splits, s_q, heads, LATENT_DIM), q.dtype),
+               jax.ShapeDtypeStruct((batch * splits, s_q, heads), jnp.float32))
+  out, lse = jax.ffi.ffi_call(_MLA_TARGET, out_types)(
+      q, cache, table, query_lengths, cache_lengths, scale=np.float32(scale),
+      split_pages=np.int32(split_pages))
+  out, lse = paged.merge_splits(out.reshape(batch, splits, s_q, heads, LATENT_DIM),
+                                jnp.swapaxes(lse.reshape(batch, splits, s_q, heads), -1, -2))
+  return out, lse
 
 
 def mla_reference(q, cache, page_table, cache_lengths, query_lengths, *, scale: float):
@@ -146,12 +199,38 @@ def empty_mla_cache(num_pages: int, kv_dtype=jnp.bfloat16):
   return jnp.zeros((int(num_pages), PAGE_SIZE, HEAD_DIM), dtype)
 
 
-def _kernel_unavailable_reason(cache) -> str:
-  """Why no kernel serves this call: none exists yet, on any platform."""
-  kind = "FP8" if isinstance(cache, MlaFp8Cache) else jnp.result_type(cache).name
-  return (f"jax_flash has no MLA decode kernel yet (the Hopper kernels for the bfloat16 and "
-          f"FP8 latent caches are still missing), so none serves this {kind} cache; "
-          "implementation=None or 'xla' runs the XLA composition")
+def _kernel_unavailable_reason(q, cache) -> str | None:
+  """Why the Hopper kernel cannot serve this call, or None."""
+  if isinstance(cache, MlaFp8Cache):
+    return ("jax_flash has no MLA decode kernel for the FP8 latent cache yet (the Hopper kernel "
+            "serves the bfloat16 / float16 cache); implementation=None or 'xla' runs the XLA "
+            "composition")
+  if _sharded_over_explicit_axes(q):
+    return ("the MLA decode kernel has no partitioning rule yet, and q is sharded over "
+            "Explicit mesh axes; implementation=None or 'xla' runs the XLA composition, which "
+            "partitions by itself")
+  platform = api._platform_of(q, cache)
+  if platform != "gpu":
+    return (f"jax_flash's MLA decode kernel runs on Hopper GPUs, not on platform {platform!r}; "
+            "implementation=None or 'xla' runs the XLA composition")
+  if not _CUDA_REGISTERED:
+    return "this installation holds no MLA decode kernel for GPUs"
+  capability = ffi.gpu_compute_capability()
+  if capability is None or capability[0] != 9:
+    return f"the MLA decode kernel needs a Hopper GPU (compute capability 9.x), got {capability}"
+  if jnp.shape(cache)[0] == 0:
+    return "the MLA decode kernel needs a cache of at least one page"
+  return None
+
+
+def _sharded_over_explicit_axes(q) -> bool:
+  """Whether q's type shards it over an Explicit mesh axis (an ffi_call
+  there needs a rule for its results' shardings)."""
+  q_sharding = jax.typeof(q).sharding
+  explicit = {name for name, kind in zip(q_sharding.mesh.axis_names, q_sharding.mesh.axis_types)
+              if kind == AxisType.Explicit}
+  return any(set(sharding.axes_of(entry)) & explicit
+             for entry in sharding._spec(q_sharding, jnp.ndim(q)))
 
 
 def _check_scale(scale) -> float:

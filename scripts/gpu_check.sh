@@ -73,7 +73,7 @@ if [[ $STAGE == tests || $STAGE == all ]]; then
   step "GPU tests"
   export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several test processes share the GPU
   "$PYTHON" -m pytest tests/test_backends.py tests/test_errors.py tests/test_cuda_graphs.py \
-      -k "(Gpu or errors or graphs) and (${TESTS_K:-not no_such_test})" -v -n 14 -p no:cacheprovider --maxfail=20 --durations=5 \
+      tests/test_mla.py -k "(Gpu or errors or graphs) and (${TESTS_K:-not no_such_test})" -v -n 14 -p no:cacheprovider --maxfail=20 --durations=5 \
       >"$OUT/tests.log" 2>&1
   # One line per test in the log (a cut-off run shows which ran); failures and the summary here.
   grep -E "FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -25

@@ -3,8 +3,9 @@ RoPE-aware per-token format): the maths against float64 references in
 numpy, the FP8 scheme's pieces, page placement, poisoned unused slots, batch
 invariance, tensor-parallel heads, the cache writes and the errors.
 
-Every check runs the XLA composition (the only implementation so far);
-the Hopper kernels will run the same checks with implementation="flash"."""
+The module-level checks run the XLA composition; TestMlaGpu runs the
+Hopper kernel (bfloat16 / float16 cache) through the same helpers with
+implementation="flash" (skipped without a Hopper GPU)."""
 
 import functools
 import json
@@ -456,13 +457,34 @@ def test_tensor_parallel_heads(fp8, axes):
               if c in text]
 
 
+def test_kernel_declines_heads_sharded_over_explicit_axes():
+  """The kernel has no partitioning rule: q sharded over an Explicit mesh
+  axis runs the composition (test_tensor_parallel_heads), and "flash"
+  says why."""
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+  if len(jax.devices()) < 2:
+    pytest.skip(f"needs 2 devices, {jax.default_backend()} has {len(jax.devices())}")
+  inputs, _ = make_batch(14, [300], [1], heads=16)
+  mesh = jax.make_mesh((2,), ("tp",), axis_types=(AxisType.Explicit,))
+  q = jax.device_put(inputs["q"], NamedSharding(mesh, P(None, None, "tp")))
+  assert "no partitioning rule" in mla._kernel_unavailable_reason(q, inputs["cache"])
+  auto = jax.make_mesh((2,), ("tp",), axis_types=(AxisType.Auto,))
+  assert not mla._sharded_over_explicit_axes(
+      jax.device_put(inputs["q"], NamedSharding(auto, P(None, None, "tp"))))
+
+
 def test_implementation_flash_names_what_is_missing():
-  for fp8 in (False, True):
-    inputs, _ = make_batch(15, [40], [1], fp8=fp8)
-    with pytest.raises(NotImplementedError, match=r"implementation='flash': jax_flash has no "
-                                                  r"MLA decode kernel yet \(the Hopper kernels "
-                                                  r"for the bfloat16 and FP8 latent caches"):
-      jax_flash.mla_decode(**inputs, scale=SCALE, implementation="flash")
+  inputs, _ = make_batch(15, [40], [1], fp8=True)
+  with pytest.raises(NotImplementedError, match=r"implementation='flash': jax_flash has no "
+                                                r"MLA decode kernel for the FP8 latent cache"):
+    jax_flash.mla_decode(**inputs, scale=SCALE, implementation="flash")
+  if jax.default_backend() == "cpu":
+    bf16_inputs, _ = make_batch(15, [40], [1])
+    with pytest.raises(NotImplementedError, match=r"implementation='flash': jax_flash's MLA "
+                                                  r"decode kernel runs on Hopper GPUs, not on "
+                                                  r"platform 'cpu'"):
+      jax_flash.mla_decode(**bf16_inputs, scale=SCALE, implementation="flash")
   # The default runs the composition.
   for got, want in zip(run(inputs, implementation=None), run(inputs)):
     np.testing.assert_array_equal(got, want)
@@ -537,3 +559,69 @@ def test_benchmark_scripts_run_on_cpu(tmp_path):
   assert set(rows) == set(mla_accuracy.SCHEMES)
   assert (rows["fp8_rope_aware_dequantized"]["out_max_error"]
           < rows["fp8_naive_dequantized"]["out_max_error"] / 2)
+
+
+@pytest.mark.gpu
+class TestMlaGpu:
+  """The Hopper kernel on the module's checks, with implementation="flash"."""
+  # conftest.py parametrises the tests' dtype from these.
+  dtypes = (jnp.bfloat16, jnp.float16)
+
+  def test_matches_float64(self, dtype):
+    for lengths, new in BATCHES:
+      inputs, rows = make_batch(len(lengths), lengths, new, dtype=dtype)
+      assert_matches(run(inputs, implementation="flash"), inputs, rows, f"{lengths} {new}")
+
+  @pytest.mark.parametrize("heads", [16, 64, 128])
+  @pytest.mark.parametrize("s_q", [1, 2])
+  def test_heads_and_speculative_rows(self, heads, s_q):
+    # 4097 keys: splits of 1024 or 2048 keys, the last of one key.
+    lengths = [4097, 1000, 17, 1]
+    new = [s_q, 1, s_q, 1]
+    inputs, rows = make_batch(heads + s_q, lengths, new, heads=heads)
+    assert_matches(run(inputs, implementation="flash"), inputs, rows, f"heads {heads} s_q {s_q}")
+
+  def test_batch_invariant(self):
+    """A sequence's rows bitwise: alone and in another slot of a larger
+    batch, its pages elsewhere in a larger pool, beside longer sequences
+    (more splits) and another table width."""
+    batch = make_batch(9, [70, 9000, 3000, 1], [1, 2, 2, 1], spare_pages=20, heads=128)[0]
+    alone = make_batch(8, [3000], [2], heads=128)[0]
+    got_alone = run(alone, implementation="flash")
+    got_mixed = run(place_sequence(batch, 2, alone), implementation="flash")
+    np.testing.assert_array_equal(got_mixed[0][2], got_alone[0][0])
+    np.testing.assert_array_equal(got_mixed[1][2], got_alone[1][0])
+
+  def test_unseen_positions_never_reach_results(self):
+    inputs, _ = make_batch(12, [1000, 300, 5, 4097], [2, 1, 0, 2])
+    clean = dict(inputs, q=finite_or_zero(inputs["q"]), cache=finite_or_zero(inputs["cache"]))
+    got, want = run(inputs, implementation="flash"), run(clean, implementation="flash")
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    assert np.isfinite(got[0]).all()
+
+  def test_visible_nan_reaches_exactly_the_rows_that_see_it(self):
+    inputs, _ = make_batch(21, [1000, 90], [2, 1])
+    page, row = int(inputs["page_table"][0, 999 // PAGE]), 999 % PAGE
+    poisoned = inputs["cache"].at[page, row, 5].set(jnp.nan)
+    clean_out, clean_lse = run(inputs, implementation="flash")
+    out, lse = run(dict(inputs, cache=poisoned), implementation="flash")
+    # The value column 5 of the row that sees it, and its logits: all NaN.
+    assert np.isnan(out[0, 1]).all() and np.isnan(lse[0, :, 1]).all()
+    out[0, 1], lse[0, :, 1] = clean_out[0, 1], clean_lse[0, :, 1]
+    np.testing.assert_array_equal(out, clean_out)
+    np.testing.assert_array_equal(lse, clean_lse)
+
+  def test_rows_without_keys(self):
+    inputs, _ = make_batch(13, [0, 50], [0, 1], heads=16, spare_pages=1)
+    inputs["query_lengths"] = jnp.asarray([0, 1], jnp.int32)
+    inputs["q"] = jnp.ones((2, 2, 16, WIDTH), jnp.bfloat16)
+    out, lse = run(inputs, implementation="flash")
+    assert np.all(out[0] == 0) and np.all(lse[0] == -np.inf)
+    assert np.all(out[1, 1] == 0) and np.all(lse[1, :, 1] == -np.inf)
+    assert np.isfinite(out[1, 0]).all()
+
+  def test_fp8_cache_names_what_is_missing(self):
+    inputs, _ = make_batch(15, [40], [1], fp8=True)
+    with pytest.raises(NotImplementedError, match="no MLA decode kernel for the FP8"):
+      jax_flash.mla_decode(**inputs, scale=SCALE, implementation="flash")

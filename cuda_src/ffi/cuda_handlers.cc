@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "attention_ffi.h"
+#include "mla_ffi.h"
 #include "paged_ffi.h"
 
 namespace jax_flash {
@@ -152,6 +153,24 @@ ffi::Error PagedFwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_
                       softcap, window_left, window_right, split_pages);
 }
 
+ffi::Error MlaDecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer cache,
+                         ffi::AnyBuffer page_table, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
+                         ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                         float scale, int32_t split_pages) {
+  g_handler_calls.fetch_add(1, std::memory_order_relaxed);
+  auto launch = [stream](const JfMlaDecodeArgs& args) {
+    return CallKernel([&](char* err, size_t n) {
+#ifdef JF_HAVE_MLA_SM90
+      return jax_flash_mla_sm90(&args, stream, err, n);
+#else
+      std::snprintf(err, n, "this build holds no Hopper kernels for MLA decoding");
+      return 1;
+#endif
+    });
+  };
+  return MlaDecode(launch, q, cache, page_table, q_lens, kv_lens, o, lse, scale, split_pages);
+}
+
 }  // namespace
 }  // namespace jax_flash
 
@@ -190,5 +209,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFlashPagedFwdCuda, jax_flash::PagedFwdCuda,
     jax_flash::BindPagedForward(
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFlashMlaDecodeCuda, jax_flash::MlaDecodeCuda,
+    jax_flash::BindMlaDecode(
         xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
     {xla::ffi::Traits::kCmdBufferCompatible});

@@ -181,6 +181,37 @@ typedef struct JfPagedFwdArgs {
   float* lse;
 } JfPagedFwdArgs;
 
+// MLA decoding (jax_flash.mla_decode) against a paged bfloat16 / float16
+// latent cache: one 576-wide row per token (512 latent columns, the values,
+// then 64 RoPE columns), read by every query head.
+//   q          [batch, rows, 576]: rows = s_q * heads, row r is token r / heads
+//              (the last q_lens[b] tokens of the cache) and head r % heads
+//   cache      [num_pages, 64, 576]
+//   page_table [batch, max_pages] int32; max_pages a multiple of split_pages
+//   o          [batch * splits, rows, 512], lse [batch * splits, rows] float32
+// with splits = max_pages / split_pages: entry b * splits + s is the result
+// over keys [s * split_pages * 64, (s + 1) * split_pages * 64) of sequence b
+// (zeros and -inf where a row sees none of them, and for rows of tokens
+// t >= q_lens[b]); token t sees the keys up to kv_lens[b] - q_lens[b] + t.
+// A page id outside [0, num_pages) reads zeros.
+typedef struct JfMlaDecodeArgs {
+  JfDtype dtype;
+  int32_t batch;
+  int32_t rows;
+  int32_t heads;
+  int32_t num_pages;
+  int32_t max_pages;
+  int32_t split_pages;
+  float scale;
+  const void* q;
+  const void* cache;
+  const int32_t* page_table;
+  const int32_t* q_lens;
+  const int32_t* kv_lens;
+  void* o;
+  float* lse;
+} JfMlaDecodeArgs;
+
 // Return 0 on success. On failure return non-zero and write a NUL-terminated
 // message of at most err_len bytes into err. GPU entry points enqueue work on
 // `stream` (a cudaStream_t) and never synchronise the host or allocate.
@@ -216,6 +247,10 @@ int jax_flash_paged_fwd_cpu(const JfPagedFwdArgs* args, char* err, size_t err_le
 int jax_flash_fwd_sm90_paged_can_implement(const JfPagedFwdArgs* args);
 int jax_flash_fwd_sm90_paged(const JfPagedFwdArgs* args, void* stream, char* err,
                              size_t err_len);
+
+// MLA decoding on Hopper: 1 when the current device and the arguments are served.
+int jax_flash_mla_sm90_can_implement(const JfMlaDecodeArgs* args);
+int jax_flash_mla_sm90(const JfMlaDecodeArgs* args, void* stream, char* err, size_t err_len);
 
 #ifdef __cplusplus
 }
