@@ -24,6 +24,7 @@ from jax.sharding import AxisType
 
 from jax_flash import _api as api, _ffi as ffi, _paged as paged, _sharding as sharding
 from jax_flash import _validation as validation
+from jax_flash._sinks import add_sinks
 from jax_flash._mla_fp8 import (FP8_DTYPE, HEAD_DIM, LATENT_DIM, PAGE_SIZE, ROPE_DIM,
                                ROPE_DTYPE, MlaFp8Cache, empty_fp8_cache, fp8_reference,
                                quantize_latent, write_fp8_cache,
@@ -57,7 +58,7 @@ def _register_cuda() -> bool:
 _CUDA_REGISTERED = _register_cuda()
 
 
-def mla_decode(q, cache, page_table, cache_lengths, *, scale, query_lengths=None,
+def mla_decode(q, cache, page_table, cache_lengths, *, scale, query_lengths=None, sinks=None,
                return_lse: bool = False, implementation: str | None = None):
   """MLA attention of new tokens against a paged latent cache (forward only).
 
@@ -86,6 +87,10 @@ def mla_decode(q, cache, page_table, cache_lengths, *, scale, query_lengths=None
       YaRN context extension (V3: ``mscale = 0.1 * ln(40) + 1``).
     query_lengths: int32 ``[batch]``, new tokens per sequence; ``None``:
       ``s_q`` for every sequence.
+    sinks: attention sinks, float32 ``[heads]``, as in ``attention``
+      (added to the merged result, in both cache formats); rows that see
+      no key, padding rows included, then output zeros with an lse equal
+      to their sink.
     return_lse: also return the natural-log log-sum-exp, float32
       ``[batch, heads, s_q]``.
     implementation: ``None`` runs jax_flash's kernel where one applies and
@@ -108,6 +113,7 @@ def mla_decode(q, cache, page_table, cache_lengths, *, scale, query_lengths=None
   _check_mla(q, cache, page_table, cache_lengths, query_lengths)
   scale = _check_scale(scale)
   return_lse = validation.check_flag(return_lse, "return_lse")
+  sinks = validation.check_sinks(sinks, jnp.shape(q)[2])
   reason = None if implementation == "xla" else _kernel_unavailable_reason(q, cache)
   if implementation == "flash" and reason is not None:
     raise NotImplementedError(f"implementation='flash': {reason}")
@@ -118,6 +124,10 @@ def mla_decode(q, cache, page_table, cache_lengths, *, scale, query_lengths=None
   out, lse = attend(q, cache, jnp.asarray(page_table, jnp.int32),
                     jnp.asarray(cache_lengths, jnp.int32),
                     jnp.asarray(query_lengths, jnp.int32), scale=scale)
+  if sinks is not None:
+    # A padding row sees no key, whatever its query left in the lse.
+    padding = jnp.arange(max_new)[None, None, :] >= jnp.asarray(query_lengths)[:, None, None]
+    out, lse = add_sinks(out, jnp.where(padding, -jnp.inf, lse), sinks)
   return (out, lse) if return_lse else out
 
 

@@ -136,16 +136,24 @@ def each_sequence(inputs, attend):
   return out, lse
 
 
-def attention_over(inputs, rows, *, dtype=np.float64, round_to=None, dequantize=False):
+def attention_over(inputs, rows, *, dtype=np.float64, round_to=None, dequantize=False,
+                   sinks=None):
   """MLA over the cache rows ``rows[b] [n, 576]`` in numpy, in ``dtype``
   (float64: the reference); ``round_to``: the naive implementation in that
   dtype (logits, probabilities and output rounded to it); ``dequantize``:
-  query and rows as the FP8 format stores them."""
+  query and rows as the FP8 format stores them; ``sinks [heads]``: one more
+  logit per head in every row's softmax, without a value (rows without keys:
+  zero output, lse the sink)."""
   convert = numpy_dequantize if dequantize else (lambda x: x)
 
   def attend(b, q, new):
     keys = convert(rows[b]).astype(dtype)
     weights, total, top = attention_weights(convert(q), keys, new, dtype, round_to)
+    if sinks is not None:
+      sink = np.tile(np.asarray(sinks, dtype), new)[:, None]  # row r is head r % heads
+      shifted = np.maximum(top, sink)
+      weights = weights * np.exp(top - shifted)
+      total, top = weights.sum(-1, keepdims=True) + np.exp(sink - shifted), shifted
     p = weights / total
     if round_to is not None:
       p = p.astype(round_to).astype(dtype)
@@ -154,7 +162,10 @@ def attention_over(inputs, rows, *, dtype=np.float64, round_to=None, dequantize=
       out = out.astype(round_to)
     return out, top + np.log(total)
 
-  return each_sequence(inputs, attend)
+  out, lse = each_sequence(inputs, attend)
+  if sinks is not None:
+    lse = np.where(lse == -np.inf, np.asarray(sinks, np.float64)[None, :, None], lse)
+  return out, lse
 
 
 def naive_fp8(inputs, rows):
@@ -182,9 +193,9 @@ def assert_matches(got, inputs, rows, label):
     ref = attention_over(inputs, rows, dequantize=True)
     naive, dtype = naive_fp8(inputs, rows), jnp.float32
   else:
-    dtype = inputs["q"].dtype
-    ref = attention_over(inputs, rows)
-    naive = attention_over(inputs, rows, dtype=np.float32, round_to=dtype)
+    dtype, sinks = inputs["q"].dtype, inputs.get("sinks")
+    ref = attention_over(inputs, rows, sinks=sinks)
+    naive = attention_over(inputs, rows, dtype=np.float32, round_to=dtype, sinks=sinks)
   for name, g, r, n in zip(("out", "lse"), got, ref, naive):
     numerics.assert_within_tolerance(f"{name} {label}", g, r, n, dtype, reduction=longest)
 
@@ -376,6 +387,38 @@ def bits(x):
   return x.view(f"u{x.itemsize}")
 
 
+def sink_values(heads, seed):
+  """Sinks around the logits' scale, one of them -inf (no sink)."""
+  sinks = 2 * np.random.default_rng(seed).standard_normal(heads).astype(np.float32)
+  sinks[1] = -np.inf
+  return jnp.asarray(sinks)
+
+
+def test_sinks():
+  # BATCHES[1] has a sequence without new tokens and a padding row: their
+  # lse is the sink.
+  for lengths, new in BATCHES:
+    inputs, rows = make_batch(31, lengths, new)
+    inputs["sinks"] = sink_values(16, 31)
+    assert_matches(run(inputs), inputs, rows, f"sinks {lengths} {new}")
+
+
+def test_sinks_join_the_fp8_cache_after_the_merge():
+  """The FP8 cache's result with sinks is its result without them, each row
+  renormalised by the sink (jax_flash/_sinks.py), computed here in float64."""
+  inputs, _ = make_batch(32, *BATCHES[1], fp8=True)
+  sinks = sink_values(16, 32)
+  out, lse = run(inputs)
+  got_out, got_lse = run(dict(inputs, sinks=sinks))
+  sink = np.asarray(sinks, np.float64)[None, :, None]
+  want_lse = np.where(lse == -np.inf, sink, np.logaddexp(lse, sink))
+  with np.errstate(invalid="ignore"):  # rows without keys and without a sink: -inf - -inf
+    weight = np.where(lse == -np.inf, 0.0, np.exp(lse - want_lse))
+  weight = np.swapaxes(weight, -1, -2)[..., None]
+  np.testing.assert_allclose(got_lse, want_lse, rtol=1e-6)
+  np.testing.assert_allclose(got_out, out * weight, rtol=2 ** -7, atol=1e-6)
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_write_mla_cache_places_tokens_and_drops_padding(fp8):
   inputs, _ = make_batch(2, [5, 130, 64], [2, 0, 64], fp8=fp8)
@@ -500,6 +543,10 @@ def test_errors():
     call(q=inputs["q"][..., :512])
   with pytest.raises(ValueError, match="cache rows must be 576 wide .* got 512"):
     call(cache=cache[..., :512])
+  with pytest.raises(ValueError, match=r"sinks must have shape \(16,\) \[heads_q\], got \(3,\)"):
+    call(sinks=jnp.zeros(3, jnp.float32))
+  with pytest.raises(ValueError, match="sinks must have dtype float32, got bfloat16"):
+    call(sinks=jnp.zeros(16, jnp.bfloat16))
   with pytest.raises(ValueError, match="cache must hold pages of 64 tokens .* got 32"):
     call(cache=cache[:, :32])
   with pytest.raises(ValueError, match="q must be bfloat16 or float16, got float32"):
@@ -611,6 +658,12 @@ class TestMlaGpu:
     out[0, 1], lse[0, :, 1] = clean_out[0, 1], clean_lse[0, :, 1]
     np.testing.assert_array_equal(out, clean_out)
     np.testing.assert_array_equal(lse, clean_lse)
+
+  def test_sinks(self, dtype):
+    for lengths, new in BATCHES:
+      inputs, rows = make_batch(33, lengths, new, dtype=dtype)
+      inputs["sinks"] = sink_values(16, 33)
+      assert_matches(run(inputs, implementation="flash"), inputs, rows, f"sinks {lengths} {new}")
 
   def test_rows_without_keys(self):
     inputs, _ = make_batch(13, [0, 50], [0, 1], heads=16, spare_pages=1)
