@@ -16,6 +16,11 @@ It narrows each query tile's KV range to the union of its rows' kv_bounds and
 compares ids on every visited tile, since the bounds only say where visible
 keys can be, not that every key inside them is visible.
 
+The paged variant (paged_kv, call_paged) reads K / V from a paged cache
+(paged_loads.py): one CTA per (query tile, query head, sequence and split),
+the keys numbered from the split's first, each copy row of a K / V tile
+from the page the table names; rows past the split's keys load as zeros.
+
 NaN and Inf (docs/numerics.md): the PV MMA multiplies a masked zero
 probability with whatever V holds, and 0 x NaN is NaN. V rows past the key
 length are zeroed at the load; on a tile the mask cuts (_check_values) each
@@ -277,7 +282,7 @@ class FlashFwdSm80:
         if cutlass.const_expr(self.paged_kv):
             split = PagedSplit(batch, mQLens, mKVLens, mPageTable, split_pages, mK.shape[1],
                                seqlen_q, diag_offset)
-            q_batch, seqlen_k, diag_offset = split.sequence, split.split_keys, split.diag_offset
+            q_batch, diag_offset = split.sequence, split.diag_offset
             q_len, kv_len = split.q_len, split.kv_len
             k_rows_end = kv_len
             paged = (mPageTable, split.sequence, split.first_page)
