@@ -742,7 +742,7 @@ class TestPagedSm80Gpu:
     poisoned = dict(inputs, k_pages=jnp.asarray(k_pages), v_pages=jnp.asarray(v_pages))
     clean = {**inputs, **{name: finite_or_zero(inputs[name]) for name in ("q", "k_pages",
                                                                          "v_pages")}}
-    for kwargs in ({"window": (20, 0)}, {"window": (20, 0), "softcap": 3.0}, {}):
+    for kwargs in ({"window": (20, 0)}, {"window": (20, 0), "softcap": 3.0}):
       got = run_paged(poisoned, "flash", kv_split_size=256, **kwargs)
       want = run_paged(clean, "flash", kv_split_size=256, **kwargs)
       np.testing.assert_array_equal(got[0], want[0])
