@@ -17,7 +17,16 @@ t0=$(date +%s)
 lap() { echo "== $1 at $(( $(date +%s) - t0 )) s"; }
 left() { echo $(( ${LIMIT:-580} - ($(date +%s) - t0) )); }
 
-OUT=$OUT/build bash scripts/gpu_check.sh "$AOT_DIR" none 2>&1 | tail -3
+# Built here whatever jax_flash this machine has installed (gpu_check.sh
+# would keep one that works), in a build folder of its own.
+if ! "$PYTHON" -m pip install --no-build-isolation --no-deps --no-index -e . \
+    -Ccmake.define.JAX_FLASH_CUDA=ON -Ccmake.define.JAX_FLASH_AOT_DIR="$AOT_DIR" \
+    -Ccmake.define.JAX_FLASH_CUDA_TOOLKIT=SYSTEM \
+    -Cbuild-dir=/tmp/jax_flash_build_paged80 >"$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"
+  exit 1
+fi
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 lap build
 "$PYTHON" - <<'PY' || exit 1
 import ctypes, pathlib
