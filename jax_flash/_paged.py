@@ -7,13 +7,17 @@ sequence in order. This is the layout of vLLM and FlashAttention: one token's
 keys for every head are one contiguous row (a cache write is one row per
 token), and the kernel reads a page's keys of one head as a strided box.
 
-Results are batch invariant on the Hopper kernel: the keys of a sequence are
+Results are batch invariant on the GPU kernels: the keys of a sequence are
 cut into splits of a fixed number of keys (``kv_split_size``), never into a
 number of splits chosen from the grid, and the splits' partial results merge
 in a fixed order (``merge_splits``) in which a split without visible keys
 changes nothing. A sequence's output is then the same, bit for bit, whatever
 else is in the batch, wherever its pages sit in the pool, and whether its
-queries come one per step or many per chunk. The CPU kernel
+queries come one per step or many per chunk. Two GPU kernels take the same
+call (the CUDA handler picks one): the Hopper kernel (``cuda_src/fwd_sm90``,
+TMA) on a Hopper GPU for head dims 64, 128 and 256, the sm80 family's
+(``cuda_src/fwd_sm80``, cp.async) on compute capability 8.x and for head
+dims 96 and 192 on Hopper. The CPU kernel
 (``cuda_src/cpu/paged_cpu.cc``) is batch invariant without splitting: one
 task runs each sequence's keys whole, in tiles at fixed key offsets.
 """
@@ -28,6 +32,7 @@ from jax_flash import _cpu_ffi
 from jax_flash import _api as api
 from jax_flash import _configs as configs
 from jax_flash import _ffi as ffi
+from jax_flash import _gpu_support
 from jax_flash import _paged_fp8 as paged_fp8
 from jax_flash import _reference as reference
 from jax_flash import _sharding as sharding
@@ -35,9 +40,12 @@ from jax_flash import _validation as validation
 from jax_flash._sinks import add_sinks
 
 _PAGED_TARGET = "jax_flash_gpu_paged_fwd_v1"
+# The entry points behind it (cuda_src/include/jax_flash/kernel_api.h).
+_GPU_KERNELS = ("jax_flash_fwd_sm90_paged", "jax_flash_fwd_sm80_paged")
 _CPU_PAGED_TARGET = "jax_flash_cpu_paged_fwd_v1"
-# The kernel fills a key tile from boxes of this many keys, one page each
-# (cuda_src/fwd_sm90/paged_kv.py: PAGE_BOX).
+# The Hopper kernel fills a key tile from boxes of this many keys, one page
+# each (cuda_src/fwd_sm90/paged_kv.py: PAGE_BOX); the sm80 one takes any page
+# size, but one rule serves both.
 _PAGE_ALIGN = 16
 _MAX_PAGE_SIZE = 256
 # Keys per split (see kv_split_size): of 1024, 2048 and 4096 the fastest, or
@@ -49,8 +57,8 @@ DEFAULT_KV_SPLIT_SIZE = 4096
 def _register_cuda() -> bool:
   library = ffi._cuda_library
   handler = getattr(library, "JaxFlashPagedFwdCuda", None) if library is not None else None
-  # The handler exists in every CUDA build; the Hopper kernels it runs may not.
-  if handler is None or getattr(library, "jax_flash_fwd_sm90_paged", None) is None:
+  # The handler exists in every CUDA build; the kernels it runs may not.
+  if handler is None or not any(getattr(library, name, None) for name in _GPU_KERNELS):
     return False
   jax.ffi.register_ffi_target(_PAGED_TARGET, jax.ffi.pycapsule(handler), platform="CUDA")
   return True
@@ -107,8 +115,10 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
       (folded in after the kernels); rows that see no key, padding rows
       included, then output zeros with an lse equal to their sink.
     implementation: ``None`` runs jax_flash's kernel where one applies
-      (Hopper GPUs; CPUs, any dtype and head dim up to 512) and the XLA
-      composition elsewhere (other GPUs); ``"flash"`` raises
+      (GPUs of compute capability 8.x and 9.0: float16 and bfloat16, head
+      dims 64, 96, 128, 192 and 256 with ``head_dim_v == head_dim``; CPUs:
+      any dtype and head dim up to 512) and the XLA composition elsewhere;
+      ``"flash"`` raises
       ``NotImplementedError`` instead of falling back; ``"xla"`` is the
       composition over gathered pages.
 
@@ -352,8 +362,9 @@ def _halving_sum(x):
 
 def _paged_kernel(q, k_pages, v_pages, page_table, cache_lengths, query_lengths, *, scale,
                   softcap, window_left, window_right, split_keys, partitioned=True):
-  """The Hopper kernel; ``partitioned=False`` where the caller is itself
-  partitioned per shard (kv_split.py, inside attention's kernel call)."""
+  """The GPU kernel (Hopper's or the sm80 family's: the CUDA handler picks);
+  ``partitioned=False`` where the caller is itself partitioned per shard
+  (kv_split.py, inside attention's kernel call)."""
   batch, max_new, heads_q, _ = q.shape
   page_size, heads_kv = k_pages.shape[1], k_pages.shape[2]
   split_pages = split_keys // page_size
@@ -403,7 +414,7 @@ def _ffi_call(target, rows, k_pages, v_pages, table, q_lens, kv_lens, *, split_p
 # A paged call traced where no GPU runs lowers for CUDA to the XLA composition
 # (or fails with implementation="flash"): which GPU kernel can serve is known
 # only where the call is traced on that GPU.
-_GPU_FROM_ELSEWHERE = ("a paged call traced without a Hopper GPU has no GPU kernel; trace it "
+_GPU_FROM_ELSEWHERE = ("a paged call traced without a GPU has no GPU kernel; trace it "
                        "on the GPU that runs it, or use implementation=None")
 
 
@@ -458,15 +469,16 @@ def _kernel_unavailable_reason(platform, q, shapes) -> str | None:
     return f"jax_flash has no paged kernel for platform {platform!r} yet"
   if not _CUDA_REGISTERED:
     return "this installation holds no paged GPU kernel"
-  capability = ffi.gpu_compute_capability()
-  if capability is None or capability[0] != 9:
-    return f"the paged kernel needs a Hopper GPU (compute capability 9.x), got {capability}"
-  if np.dtype(q.dtype) not in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)):
-    return f"the paged kernel supports float16 and bfloat16, got {np.dtype(q.dtype).name}"
-  if shapes["head_dim"] not in (64, 128, 256) or shapes["head_dim_v"] != shapes["head_dim"]:
-    return ("the paged kernel supports head_dim == head_dim_v in (64, 128, 256), got "
-            f"{shapes['head_dim']} and {shapes['head_dim_v']}")
-  return None
+  head_dim, head_dim_v = shapes["head_dim"], shapes["head_dim_v"]
+  # The GPUs, dtypes and head dims of the sm80 family, which serves every
+  # call the Hopper kernel does not (the CUDA handler picks), and the shared
+  # memory its tiles take (8.6 / 8.9 lack it for head dim 256).
+  reason = (_gpu_support.gpu_unavailable_reason()
+            or configs.GPU.unsupported_reason(q.dtype, head_dim, head_dim_v))
+  if reason is None and head_dim_v != head_dim:
+    reason = (f"the paged GPU kernels need head_dim_v == head_dim, got head_dim={head_dim}, "
+              f"head_dim_v={head_dim_v}")
+  return reason or _gpu_support.device_reason("forward", head_dim)
 
 
 def _check_paged(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,

@@ -4,7 +4,6 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <cstdio>
 #include <cstdint>
 
 #include "attention_ffi.h"
@@ -139,14 +138,16 @@ ffi::Error PagedFwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_
                         ffi::Result<ffi::AnyBuffer> lse, float scale, float softcap,
                         int32_t window_left, int32_t window_right, int32_t split_pages) {
   g_handler_calls.fetch_add(1, std::memory_order_relaxed);
+  // Hopper's kernel where it serves (its head dims on a Hopper GPU), else
+  // the sm80 family's (8.x, and 9.x for the head dims Hopper's lacks).
   auto launch = [stream](const JfPagedFwdArgs& args) {
     return CallKernel([&](char* err, size_t n) {
 #ifdef JF_HAVE_FWD_SM90
-      return jax_flash_fwd_sm90_paged(&args, stream, err, n);
-#else
-      std::snprintf(err, n, "this build holds no Hopper kernels for paged attention");
-      return 1;
+      if (jax_flash_fwd_sm90_paged_can_implement(&args)) {
+        return jax_flash_fwd_sm90_paged(&args, stream, err, n);
+      }
 #endif
+      return jax_flash_fwd_sm80_paged(&args, stream, err, n);
     });
   };
   return PagedForward(launch, q, k_pages, v_pages, page_table, q_lens, kv_lens, o, lse, scale,

@@ -16,6 +16,11 @@ It narrows each query tile's KV range to the union of its rows' kv_bounds and
 compares ids on every visited tile, since the bounds only say where visible
 keys can be, not that every key inside them is visible.
 
+The paged variant (paged_kv, call_paged) reads K / V from a paged cache
+(paged_loads.py): one CTA per (query tile, query head, sequence and split),
+the keys numbered from the split's first, each copy row of a K / V tile
+from the page the table names; rows past the split's keys load as zeros.
+
 NaN and Inf (docs/numerics.md): the PV MMA multiplies a masked zero
 probability with whatever V holds, and 0 x NaN is NaN. V rows past the key
 length are zeroed at the load; on a tile the mask cuts (_check_values) each
@@ -43,6 +48,7 @@ from common.dsl_common import (
 from common.nonfinite import any_nonfinite, barrier_any, zero_nonfinite
 from common.seen_values import RowMask, poison_seen_columns
 from common.segment_tiles import MIXED, segment_key
+from paged_loads import PagedSplit, load_paged_tile, zero_row_stride_view
 
 LN2 = math.log(2.0)
 COPY_BITS = 128  # one cp.async / one vector store moves 16 bytes per thread
@@ -71,15 +77,19 @@ TILE_CONFIG = {
 class FlashFwdSm80:
     """Forward attention for one dtype and head dim (head_dim_v == head_dim)."""
 
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, has_segments: bool = False):
-        if not self.can_implement(dtype, head_dim):
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, has_segments: bool = False,
+                 paged_kv: bool = False):
+        if not self.can_implement(dtype, head_dim) or (paged_kv and has_segments):
             raise ValueError(
                 f"FlashFwdSm80: unsupported dtype={dtype} head_dim={head_dim}; "
-                f"expected Float16/BFloat16 and head_dim in {sorted(TILE_CONFIG)}"
+                f"paged_kv={paged_kv} has_segments={has_segments}; expected Float16/BFloat16, "
+                f"head_dim in {sorted(TILE_CONFIG)} and not both paged_kv and has_segments"
             )
         self.dtype = dtype
         self.head_dim = head_dim
         self.has_segments = has_segments
+        # K / V from a page table (paged_loads.py): the call_paged entry point.
+        self.paged_kv = paged_kv
         self.tile_m, self.tile_n, self.num_warps = TILE_CONFIG[head_dim]
         self.num_threads = self.num_warps * 32
         # Shared-memory rows are split in 64-element (128 B) chunks where the
@@ -120,8 +130,35 @@ class FlashFwdSm80:
         mKVSeg: Optional[cute.Tensor] = None,  # [B, S] int32
         mKVBounds: Optional[cute.Tensor] = None,  # [B, T, 2] int32
     ):
+        self._launch(mQ, mK, mV, mO, mLSE, mQLens, mKVLens, scale, softcap, diag_offset,
+                     window_left, window_right, stream, mQSeg, mKVSeg, mKVBounds)
+
+    @cute.jit
+    def call_paged(
+        self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+        mLSE: cute.Tensor, mQLens: cute.Tensor, mKVLens: cute.Tensor,
+        scale: cutlass.Float32, softcap: cutlass.Float32, diag_offset: cutlass.Int32,
+        window_left: cutlass.Int32, window_right: cutlass.Int32, stream: cuda.CUstream,
+        mPageTable: cute.Tensor,  # [B, splits * split_pages] int32
+        split_pages: cutlass.Int32,
+    ):
+        """Entry point of the paged variant (paged_loads.py): mK / mV are
+        [num_pages, page_size, Nkv, H] pages, mKVLens the cache lengths, mO /
+        mLSE hold one partial result per (sequence, split): [B * splits, ...].
+        The mask's diagonal is diag_offset from each sequence's bottom right."""
+        self._launch(mQ, mK, mV, mO, mLSE, mQLens, mKVLens, scale, softcap, diag_offset,
+                     window_left, window_right, stream, None, None, None, mPageTable, split_pages)
+
+    @cute.jit
+    def _launch(
+        self, mQ, mK, mV, mO, mLSE, mQLens, mKVLens, scale, softcap, diag_offset,
+        window_left, window_right, stream, mQSeg, mKVSeg, mKVBounds, mPageTable=None,
+        split_pages=None,
+    ):
         if cutlass.const_expr(self.has_segments != (mQSeg is not None)):
             raise TypeError("segment tensors must be given exactly for the has_segments variant")
+        if cutlass.const_expr(self.paged_kv != (mPageTable is not None)):
+            raise TypeError("a page table must be given exactly for the paged_kv variant")
         sQ_layout = self._smem_layout(self.tile_m)
         sKV_layout = self._smem_layout(self.tile_n)
 
@@ -170,7 +207,7 @@ class FlashFwdSm80:
         grid = (
             cute.ceil_div(mQ.shape[1], self.tile_m),
             cute.size(mQ.shape[2]),
-            cute.size(mQ.shape[0]),
+            cute.size(mO.shape[0]),  # paged: a CTA per (sequence, split)
         )
         self.kernel(
             mQ,
@@ -188,6 +225,8 @@ class FlashFwdSm80:
             mQSeg,
             mKVSeg,
             mKVBounds,
+            mPageTable,
+            split_pages,
             sQ_layout,
             sKV_layout,
             gmem_tiled_copy_load,
@@ -214,6 +253,8 @@ class FlashFwdSm80:
         mQSeg: Optional[cute.Tensor],
         mKVSeg: Optional[cute.Tensor],
         mKVBounds: Optional[cute.Tensor],
+        mPageTable: Optional[cute.Tensor],
+        split_pages: Optional[cutlass.Int32],
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
         gmem_tiled_copy_load: cute.TiledCopy,
@@ -233,10 +274,21 @@ class FlashFwdSm80:
         head_kv = head_q // (mQ.shape[2] // mK.shape[2])
         m_start = m_block * tile_m
 
-        q_len = cutlass.min(mQLens[batch], seqlen_q)
-        kv_len = cutlass.min(mKVLens[batch], seqlen_k)
-        q_len = cutlass.max(q_len, 0)
-        kv_len = cutlass.max(kv_len, 0)
+        # batch is the grid's entry, whose O / LSE the CTA writes; paged, a
+        # (sequence, split) pair, and q_batch the sequence of its Q rows.
+        q_batch = batch
+        k_rows_end = seqlen_k  # K rows past it load as zeros
+        paged = None
+        if cutlass.const_expr(self.paged_kv):
+            split = PagedSplit(batch, mQLens, mKVLens, mPageTable, split_pages, mK.shape[1],
+                               seqlen_q, diag_offset)
+            q_batch, diag_offset = split.sequence, split.diag_offset
+            q_len, kv_len = split.q_len, split.kv_len
+            k_rows_end = kv_len
+            paged = (mPageTable, split.sequence, split.first_page)
+        else:
+            q_len = cutlass.max(cutlass.min(mQLens[batch], seqlen_q), 0)
+            kv_len = cutlass.max(cutlass.min(mKVLens[batch], seqlen_k), 0)
 
         # ---- KV tile range this query tile can see -------------------------
         last_row = cutlass.min(m_start + tile_m, q_len) - 1
@@ -273,9 +325,14 @@ class FlashFwdSm80:
             )
 
         # ---- global / shared tensors --------------------------------------
-        gQ = cute.local_tile(mQ[batch, None, head_q, None], (tile_m, head_dim), (m_block, 0))
-        gK = cute.local_tile(mK[batch, None, head_kv, None], (tile_n, head_dim), (None, 0))
-        gV = cute.local_tile(mV[batch, None, head_kv, None], (tile_n, head_dim), (None, 0))
+        gQ = cute.local_tile(mQ[q_batch, None, head_q, None], (tile_m, head_dim), (m_block, 0))
+        if cutlass.const_expr(self.paged_kv):
+            # Each copy row's columns; load_paged_tile adds its page row.
+            gK = zero_row_stride_view(mK, head_kv, tile_n, head_dim)
+            gV = zero_row_stride_view(mV, head_kv, tile_n, head_dim)
+        else:
+            gK = cute.local_tile(mK[batch, None, head_kv, None], (tile_n, head_dim), (None, 0))
+            gV = cute.local_tile(mV[batch, None, head_kv, None], (tile_n, head_dim), (None, 0))
 
         sQ = storage.sQ.get_tensor(sQ_layout)
         sK = storage.sK.get_tensor(sKV_layout)
@@ -358,7 +415,7 @@ class FlashFwdSm80:
                 else:
                     tQsQ[None, r, None].fill(0)
             self._load_kv(
-                gmem_tiled_copy_load, tKgK, tKsK, tKVcKV, n_block_max - 1, seqlen_k
+                gmem_tiled_copy_load, tKgK, tKsK, tKVcKV, n_block_max - 1, k_rows_end, mK, paged
             )
             cute.arch.cp_async_commit_group()
 
@@ -368,7 +425,7 @@ class FlashFwdSm80:
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
             # V: zeros past kv_len (a masked probability meets them).
-            self._load_kv(gmem_tiled_copy_load, tVgV, tVsV, tKVcKV, n_block, kv_len)
+            self._load_kv(gmem_tiled_copy_load, tVgV, tVsV, tKVcKV, n_block, kv_len, mV, paged)
             cute.arch.cp_async_commit_group()
 
             acc_S = cute.make_rmem_tensor(
@@ -413,7 +470,7 @@ class FlashFwdSm80:
                 cute.arch.barrier()
             if n_iter + 1 < num_n_blocks:
                 self._load_kv(
-                    gmem_tiled_copy_load, tKgK, tKsK, tKVcKV, n_block - 1, seqlen_k
+                    gmem_tiled_copy_load, tKgK, tKsK, tKVcKV, n_block - 1, k_rows_end, mK, paged
                 )
                 cute.arch.cp_async_commit_group()
 
@@ -475,10 +532,18 @@ class FlashFwdSm80:
         tXcX: cute.Tensor,
         n_block: cutlass.Int32,
         rows_end: cutlass.Int32,
+        mX: cute.Tensor,
+        paged,
     ):
         """cp.async one K or V tile; rows from rows_end on (at most seqlen_k)
-        become zeros in smem."""
-        if (n_block + 1) * self.tile_n <= rows_end:
+        become zeros in smem. paged: (page table, sequence, split's first
+        page) of the paged variant, whose tXgX holds each copy row's columns
+        (paged_loads.py); None otherwise."""
+        if cutlass.const_expr(paged is not None):
+            mPageTable, sequence, first_page = paged
+            load_paged_tile(tiled_copy, mX, tXgX, tXsX, tXcX, mPageTable, sequence, first_page,
+                            n_block * self.tile_n, rows_end)
+        elif (n_block + 1) * self.tile_n <= rows_end:
             cute.copy(tiled_copy, tXgX[None, None, None, n_block], tXsX)
         else:
             for r in cutlass.range_constexpr(cute.size(tXsX.shape[1])):

@@ -3,8 +3,9 @@
 //
 // Build (verified on the CPU machine with nvcc 13.0; both arches are always
 // linked into the same library, and every exported symbol carries its own
-// family/arch/dtype/head-dim prefix, so the 40 objects never collide; the
-// jf_fwdseg_* half is the packed-document variant, run when has_segments):
+// family/arch/dtype/head-dim prefix, so the 60 objects never collide; the
+// jf_fwdseg_* variants are the packed-document ones, run when has_segments,
+// the jf_fwdpaged_* ones read K / V from a paged cache: jax_flash_fwd_sm80_paged):
 //
 //   python cuda_src/fwd_sm80/export.py --arch sm_80  --out BUILD/fwd_sm_80
 //   python cuda_src/fwd_sm80/export.py --arch sm_90a --out BUILD/fwd_sm_90a
@@ -143,7 +144,153 @@ int Validate(const JfFwdArgs* args, char* err, size_t err_len) {
   return 0;
 }
 
+// ---- Paged K / V (kernel_api.h: JfPagedFwdArgs) ------------------------------
+
+// Fills the generated descriptors (dynamic modes only) and launches.
+#define JF_DEFINE_FWD_PAGED_VARIANT(arch_tag, dtype_enum, hd, prefix)                        \
+  LoadedModule<prefix##_Kernel_Module_t> g_##prefix;                                      \
+  int Launch_##prefix(const JfPagedFwdArgs& a, cudaStream_t stream, char* err,            \
+                      size_t err_len) {                                                   \
+    cudaError_t load = EnsureLoaded(g_##prefix, prefix##_Kernel_Module_Load);             \
+    if (load != cudaSuccess) {                                                            \
+      return Fail(err, err_len, "jax_flash_fwd_sm80_paged: loading " #prefix ": %s",      \
+                  cudaGetErrorString(load));                                              \
+    }                                                                                     \
+    const JfProblem& p = a.problem;                                                       \
+    const int64_t h = p.head_dim;                                                         \
+    const int32_t outs = p.batch * (a.max_pages / a.split_pages);  /* <= kMaxGridYZ */     \
+    prefix##_Tensor_mQ_t q = {const_cast<void*>(a.q),                                     \
+                              {p.batch, p.seqlen_q, p.heads_q},                           \
+                              {Prod(p.seqlen_q, p.heads_q, h), Prod(p.heads_q, h)}};      \
+    prefix##_Tensor_mK_t k = {const_cast<void*>(a.k_pages),                               \
+                              {a.num_pages, a.page_size, p.heads_kv},                     \
+                              {Prod(a.page_size, p.heads_kv, h), Prod(p.heads_kv, h)}};   \
+    prefix##_Tensor_mV_t v = {const_cast<void*>(a.v_pages),                               \
+                              {a.num_pages, a.page_size, p.heads_kv},                     \
+                              {Prod(a.page_size, p.heads_kv, h), Prod(p.heads_kv, h)}};   \
+    prefix##_Tensor_mO_t o = {a.o,                                                        \
+                              {outs, p.seqlen_q, p.heads_q},                              \
+                              {Prod(p.seqlen_q, p.heads_q, h), Prod(p.heads_q, h)}};      \
+    prefix##_Tensor_mLSE_t lse = {a.lse,                                                  \
+                                  {outs, p.heads_q, p.seqlen_q},                          \
+                                  {Prod(p.heads_q, p.seqlen_q), p.seqlen_q}};             \
+    prefix##_Tensor_mQLens_t q_lens = {const_cast<int32_t*>(a.q_lens), {p.batch}};        \
+    prefix##_Tensor_mKVLens_t kv_lens = {const_cast<int32_t*>(a.kv_lens), {p.batch}};     \
+    prefix##_Tensor_mPageTable_t table = {const_cast<int32_t*>(a.page_table),             \
+                                          {p.batch, a.max_pages}, {a.max_pages}};         \
+    int32_t rc = cute_dsl_##prefix##_wrapper(                                             \
+        &g_##prefix.module, &q, &k, &v, &o, &lse, &q_lens, &kv_lens, p.scale, p.softcap,  \
+        p.diag_offset, p.window_left, p.window_right, stream, &table, a.split_pages);     \
+    if (rc != 0) {                                                                        \
+      return Fail(err, err_len, "jax_flash_fwd_sm80_paged: " #prefix " returned %d", rc); \
+    }                                                                                     \
+    return 0;                                                                             \
+  }
+JF_FWD_SM80_PAGED_VARIANTS_SM_80(JF_DEFINE_FWD_PAGED_VARIANT)
+JF_FWD_SM80_PAGED_VARIANTS_SM_90A(JF_DEFINE_FWD_PAGED_VARIANT)
+#undef JF_DEFINE_FWD_PAGED_VARIANT
+
+using PagedLaunchFn = int (*)(const JfPagedFwdArgs&, cudaStream_t, char*, size_t);
+
+PagedLaunchFn FindPagedVariant(Arch arch, JfDtype dtype, int head_dim) {
+#define JF_MATCH_PAGED_VARIANT(arch_tag, dtype_enum, hd, prefix) \
+  if (dtype == dtype_enum && head_dim == hd) return Launch_##prefix;
+  if (arch == Arch::kSm80) {
+    JF_FWD_SM80_PAGED_VARIANTS_SM_80(JF_MATCH_PAGED_VARIANT)
+  } else if (arch == Arch::kSm90a) {
+    JF_FWD_SM80_PAGED_VARIANTS_SM_90A(JF_MATCH_PAGED_VARIANT)
+  }
+#undef JF_MATCH_PAGED_VARIANT
+  return nullptr;
+}
+
+// Every value the kernel relies on (the device aside); a message naming the
+// first that fails. Any positive page size serves: each key is its own copy
+// row (paged_loads.py).
+int ValidatePaged(const JfPagedFwdArgs* a, char* err, size_t err_len) {
+  if (a == nullptr) return Fail(err, err_len, "jax_flash_fwd_sm80_paged: args is null");
+  const JfProblem& p = a->problem;
+  if (jax_flash_launch::CheckOptions(p, "jax_flash_fwd_sm80_paged", err, err_len) != 0) return 1;
+  if (FindPagedVariant(Arch::kSm80, p.dtype, p.head_dim) == nullptr ||
+      p.head_dim_v != p.head_dim) {
+    return Fail(err, err_len,
+                "jax_flash_fwd_sm80_paged: no kernel for JfDtype %d, head_dim %d, head_dim_v %d "
+                "(float16 or bfloat16, head_dim == head_dim_v in 64, 96, 128, 192, 256)",
+                static_cast<int>(p.dtype), p.head_dim, p.head_dim_v);
+  }
+  if (p.batch < 0 || p.seqlen_q < 0 || p.heads_q <= 0 || p.heads_kv <= 0 ||
+      p.heads_q % p.heads_kv != 0 || p.heads_q > kMaxGridYZ) {
+    return Fail(err, err_len,
+                "jax_flash_fwd_sm80_paged: need batch, seqlen_q >= 0, 0 < heads_kv, heads_q a "
+                "multiple of heads_kv up to %d; got batch=%d seqlen_q=%d heads_q=%d heads_kv=%d",
+                kMaxGridYZ, p.batch, p.seqlen_q, p.heads_q, p.heads_kv);
+  }
+  if (a->page_size <= 0 || a->num_pages <= 0 || a->split_pages <= 0 || a->max_pages <= 0 ||
+      a->max_pages % a->split_pages != 0 ||
+      int64_t{a->max_pages} * a->page_size > INT32_MAX) {
+    return Fail(err, err_len,
+                "jax_flash_fwd_sm80_paged: need page_size, num_pages > 0, max_pages a positive "
+                "multiple of split_pages and max_pages * page_size < 2^31; got page_size=%d "
+                "num_pages=%d max_pages=%d split_pages=%d",
+                a->page_size, a->num_pages, a->max_pages, a->split_pages);
+  }
+  if (int64_t{p.batch} * (a->max_pages / a->split_pages) > kMaxGridYZ) {
+    return Fail(err, err_len,
+                "jax_flash_fwd_sm80_paged: batch x splits must be <= %d, got %d x %d", kMaxGridYZ,
+                p.batch, a->max_pages / a->split_pages);
+  }
+  if (p.batch == 0 || p.seqlen_q == 0) return 0;
+  const void* vectors[] = {a->q, a->k_pages, a->v_pages, a->o};
+  for (const void* ptr : vectors) {
+    if (ptr == nullptr || !jax_flash_launch::IsAligned(ptr, kOperandAlign)) {
+      return Fail(err, err_len,
+                  "jax_flash_fwd_sm80_paged: q, pages and o must be non-null and %d-byte aligned",
+                  static_cast<int>(kOperandAlign));
+    }
+  }
+  if (a->page_table == nullptr || a->q_lens == nullptr || a->kv_lens == nullptr ||
+      a->lse == nullptr) {
+    return Fail(err, err_len, "jax_flash_fwd_sm80_paged: a table, length or lse pointer is null");
+  }
+  return 0;
+}
+
 }  // namespace
+
+extern "C" int jax_flash_fwd_sm80_paged_can_implement(const JfPagedFwdArgs* args) {
+  char unused[8];
+  if (ValidatePaged(args, unused, sizeof unused) != 0) return 0;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  return FindPagedVariant(DeviceArch(device), args->problem.dtype, args->problem.head_dim) !=
+         nullptr;
+}
+
+extern "C" int jax_flash_fwd_sm80_paged(const JfPagedFwdArgs* args, void* stream, char* err,
+                                        size_t err_len) {
+  if (int rc = ValidatePaged(args, err, err_len)) return rc;
+  const JfProblem& p = args->problem;
+  if (p.batch == 0 || p.seqlen_q == 0) return 0;
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) {
+    return Fail(err, err_len, "jax_flash_fwd_sm80_paged: cudaGetDevice: %s",
+                cudaGetErrorString(e));
+  }
+  PagedLaunchFn launch = FindPagedVariant(DeviceArch(device), p.dtype, p.head_dim);
+  if (launch == nullptr) {
+    return Fail(err, err_len,
+                "jax_flash_fwd_sm80_paged: device %d is not compute capability 8.x or 9.x",
+                device);
+  }
+  if (int rc = launch(*args, static_cast<cudaStream_t>(stream), err, err_len)) return rc;
+  e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    return Fail(err, err_len, "jax_flash_fwd_sm80_paged: launch failed: %s",
+                cudaGetErrorString(e));
+  }
+  return 0;
+}
 
 extern "C" int jax_flash_fwd_sm80(const JfFwdArgs* args, void* stream, char* err,
                                   size_t err_len) {

@@ -247,6 +247,12 @@ int jax_flash_paged_fwd_cpu(const JfPagedFwdArgs* args, char* err, size_t err_le
 int jax_flash_fwd_sm90_paged_can_implement(const JfPagedFwdArgs* args);
 int jax_flash_fwd_sm90_paged(const JfPagedFwdArgs* args, void* stream, char* err,
                              size_t err_len);
+// The paged forward of the sm80 family (compute capability 8.x and 9.x,
+// head_dim == head_dim_v in 64, 96, 128, 192, 256, any page size): 1 when
+// it serves the problem on the current device.
+int jax_flash_fwd_sm80_paged_can_implement(const JfPagedFwdArgs* args);
+int jax_flash_fwd_sm80_paged(const JfPagedFwdArgs* args, void* stream, char* err,
+                             size_t err_len);
 
 // MLA decoding on Hopper: 1 when the current device and the arguments are served.
 int jax_flash_mla_sm90_can_implement(const JfMlaDecodeArgs* args);
