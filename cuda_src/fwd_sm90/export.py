@@ -20,6 +20,9 @@ DIR/fwd_sm90_variants_sm_90a.h, which includes them all and defines
     JF_FWD_SM90_PAIR_VARIANTS_SM_90A(X)   ->  X(arch, JfDtype, head_dim, head_dim_v, prefix,
                                               min_seqlen_q) ...
     JF_FWD_SM90_PAGED_VARIANTS_SM_90A(X)  ->  X(arch, JfDtype, head_dim, head_dim_v, prefix) ...
+    JF_FWD_SM90_FP8_VARIANTS_SM_90A(X)    ->  the same for the FP8 variants (jf_fwdfp890_*,
+                                              compiled from FlashFwdSm90.call_fp8; JfDtype
+                                              is the output's)
 
 for launch.cc. The tensor and scalar signature is the sm80 kernel's, so the
 generated wrappers take the same descriptors, and then (all but the paged
@@ -44,7 +47,7 @@ from common.export_common import (  # noqa: E402
     export_variants,
     write_variants_header,
 )
-from tile_config import KV_MULTICAST, PAGED, SHORT_TILE, TILE_CONFIG  # noqa: E402
+from tile_config import FP8_TILE_CONFIG, KV_MULTICAST, PAGED, SHORT_TILE, TILE_CONFIG  # noqa: E402
 
 ARCHES = ("sm_90a",)
 DTYPES = (("fp16", "JF_FLOAT16", "Float16"), ("bf16", "JF_BFLOAT16", "BFloat16"))
@@ -87,9 +90,11 @@ def _parse_args():
 
 
 def variant_name(arch: str, dtype_tag: str, head_dim: int, head_dim_v: int, has_segments: bool,
-                 short: bool = False, pair: bool = False, paged: bool = False) -> str:
+                 short: bool = False, pair: bool = False, paged: bool = False,
+                 fp8: bool = False) -> str:
+    """dtype_tag: the inputs' type; for fp8 (e4m3 inputs) the output's."""
     family = ("fwdshort90" if short else "fwdpair90" if pair else "fwdpaged90" if paged
-              else "fwdseg90" if has_segments else "fwd90")
+              else "fwdfp890" if fp8 else "fwdseg90" if has_segments else "fwd90")
     value = "" if head_dim_v == head_dim else f"v{head_dim_v}"
     return f"jf_{family}_{arch}_{dtype_tag}_hd{head_dim}{value}"
 
@@ -140,6 +145,29 @@ def _fake_paged_args(dtype, head_dim, head_dim_v):
     return (fake.bthd(dtype, fake.seqlen_q, fake.heads_q), paged(head_dim), paged(head_dim_v), o, lse,
             fake.lens(), fake.lens(), *scalars, cutlass.runtime.make_fake_stream(), table,
             cutlass.Int32(1))
+
+
+def _fake_fp8_args(out_dtype, head_dim, head_dim_v):
+    """call_fp8's operands: e4m3 Q / K, V transposed to [batch, heads_kv,
+    head_dim_v, keys'] (keys' its own extent, a multiple of 32), O in
+    out_dtype, the descales [batch, heads] float32."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    fp8 = cutlass.Float8E4M3FN
+    fake = FakeProblem(head_dim)
+    v_t = make_fake_compact_tensor(fp8, (fake.batch, fake.heads_kv, head_dim_v, cute.sym_int(divisibility=32)),
+                                   stride_order=ROW_MAJOR_4D, assumed_align=VECTOR_ALIGN)
+    descale = lambda heads: make_fake_compact_tensor(
+        cutlass.Float32, (fake.batch, heads), stride_order=(1, 0), assumed_align=SCALAR_ALIGN)
+    # scale, diag_offset, window_left, window_right
+    scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(-1), cutlass.Int32(-1))
+    return (fake.bthd(fp8, fake.seqlen_q, fake.heads_q), fake.bthd(fp8, fake.seqlen_k, fake.heads_kv),
+            v_t, fake.bthd(out_dtype, fake.seqlen_q, fake.heads_q, head_dim_v),
+            fake.per_head_row(assumed_align=SCALAR_ALIGN), fake.lens(), fake.lens(), *scalars,
+            cutlass.runtime.make_fake_stream(), descale(fake.heads_q), descale(fake.heads_kv),
+            descale(fake.heads_kv))
 
 
 def main():
@@ -211,6 +239,19 @@ def main():
                              cute.compile(kernel.call_paged, *_fake_paged_args(dtype, *dims))))
             paged_built.append(f"{args.arch}, {enum_name}, {head_dim}, {head_dim_v}, {name}")
 
+    # FP8 (e4m3) inputs, output in each 16-bit type (fp8_variant.py).
+    fp8_built = []
+    for dtype_tag, enum_name, cutlass_name in DTYPES:
+        for head_dim, head_dim_v in FP8_TILE_CONFIG:
+            name = variant_name(args.arch, dtype_tag, head_dim, head_dim_v, False, fp8=True)
+            if only is not None and name not in only:
+                continue
+            out_dtype = getattr(cutlass, cutlass_name)
+            kernel = FlashFwdSm90(cutlass.Float8E4M3FN, head_dim, head_dim_v, out_dtype=out_dtype)
+            variants.append((name, lambda kernel=kernel, out_dtype=out_dtype, dims=(head_dim, head_dim_v):
+                             cute.compile(kernel.call_fp8, *_fake_fp8_args(out_dtype, *dims))))
+            fp8_built.append(f"{args.arch}, {enum_name}, {head_dim}, {head_dim_v}, {name}")
+
     names = export_variants(args.out, variants)
     arch_macro = args.arch.upper()
     write_variants_header(
@@ -231,6 +272,9 @@ def main():
             (f"X(arch, JfDtype, head_dim, head_dim_v, prefix) for every exported {args.arch} variant "
              "that reads K / V through a page table (call_paged).",
              f"JF_FWD_SM90_PAGED_VARIANTS_{arch_macro}", paged_built),
+            (f"X(arch, JfDtype, head_dim, head_dim_v, prefix) for every exported {args.arch} variant "
+             "with e4m3 Q / K / V (call_fp8); JfDtype is the output's.",
+             f"JF_FWD_SM90_FP8_VARIANTS_{arch_macro}", fp8_built),
         ],
     )
 

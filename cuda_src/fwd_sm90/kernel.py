@@ -56,12 +56,14 @@ from common.seen_values import RowMask
 from consumer_turns import BAR_PINGPONG, WG_THREADS, ConsumerTurns
 from launch_order import tile_of_cta
 from kv_producer import WG_ROWS, KVProducer
-from online_softmax import online_softmax, rescale_rows, store_converted
+from online_softmax import online_softmax, rescale_rows
 from output_tile import store_output_tile
 from paged_kv import PAGE_BOX, PagedProblem, produce_paged, slab_layouts
 from score_mask import mask_tile, unseen_leading_tiles
 from segment_ids import warp_bounds_union
-from tile_config import Q_IN_REGISTERS, REDUCTION_PARTIALS, TILE_CONFIG
+from fp8_operands import FP8, p_fragments
+from fp8_variant import Fp8Variant
+from tile_config import FP8_TILE_CONFIG, Q_IN_REGISTERS, REDUCTION_PARTIALS, TILE_CONFIG
 from value_check import ValueChecks
 
 # setmaxnreg only moves registers inside the CTA's launch allocation (64K
@@ -72,8 +74,10 @@ from value_check import ValueChecks
 PRODUCER_REGS = 24
 SMEM_PER_SM = 228 * 1024  # of which each resident CTA reserves 1 KiB
 
-class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
-    """Forward attention for one dtype and (head_dim, head_dim_v) pair."""
+class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant):
+    """Forward attention for one dtype and (head_dim, head_dim_v) pair;
+    with dtype Float8E4M3FN Q / K / V are e4m3 and O is out_dtype
+    (fp8_variant.py)."""
 
     def __init__(
         self,
@@ -91,17 +95,27 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
         q_in_registers: bool = None,
         reduction_partials: int = None,
         paged_kv: bool = False,
+        out_dtype: Type[cutlass.Numeric] = None,
     ):
         head_dim_v = head_dim_v or head_dim
         if not self.can_implement(dtype, head_dim, head_dim_v):
             raise ValueError(
                 f"FlashFwdSm90: unsupported dtype={dtype} (head_dim, head_dim_v)="
                 f"{(head_dim, head_dim_v)}; expected Float16/BFloat16 and one of {sorted(TILE_CONFIG)}"
+                f", or Float8E4M3FN and one of {sorted(FP8_TILE_CONFIG)}"
             )
         self.dtype = dtype
+        self.fp8 = dtype is FP8
+        self.out_dtype = out_dtype or dtype
+        if self.fp8 != (self.out_dtype is not dtype) or self.out_dtype is FP8:
+            raise ValueError(f"FlashFwdSm90: out_dtype={out_dtype} with dtype={dtype}: FP8 inputs "
+                             "need a 16-bit out_dtype, 16-bit inputs write their own type")
+        if self.fp8 and (has_segments or kv_multicast or paged_kv or ctas_per_sm != 1):
+            raise ValueError("FlashFwdSm90: the FP8 variant is the plain kernel only")
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
-        default_n, default_stages, default_consumers = TILE_CONFIG[head_dim, head_dim_v]
+        tiles = FP8_TILE_CONFIG if self.fp8 else TILE_CONFIG
+        default_n, default_stages, default_consumers = tiles[head_dim, head_dim_v]
         self.tile_n = tile_n or default_n
         self.kv_stages = kv_stages or default_stages
         self.conditional_rescale = conditional_rescale
@@ -133,7 +147,8 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
         # Not with segments: their ids take the registers (hd128: 152 bytes
         # spilled).
         if q_in_registers is None:
-            q_in_registers = (head_dim, head_dim_v) in Q_IN_REGISTERS and not has_segments
+            q_in_registers = ((head_dim, head_dim_v) in Q_IN_REGISTERS and not has_segments
+                              and not self.fp8)
         self.q_in_registers = q_in_registers
         self.reduction_partials = reduction_partials or REDUCTION_PARTIALS.get(
             (head_dim, head_dim_v), 1)
@@ -142,6 +157,8 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
         elem = dtype.width // 8
         kv_stage = self.tile_n * (head_dim + head_dim_v)
         smem = (self.tile_m * head_dim + self.kv_stages * kv_stage) * elem + 1024
+        if self.fp8:  # O in its own buffer: Q's holds half its bytes
+            smem += self.tile_m * head_dim_v * self.out_dtype.width // 8
         budget = SMEM_PER_SM // ctas_per_sm - 1024
         if smem > budget:
             raise ValueError(
@@ -159,6 +176,8 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
 
     @staticmethod
     def can_implement(dtype: Type[cutlass.Numeric], head_dim: int, head_dim_v: int) -> bool:
+        if dtype is FP8:
+            return (head_dim, head_dim_v) in FP8_TILE_CONFIG
         return dtype in (cutlass.Float16, cutlass.BFloat16) and (head_dim, head_dim_v) in TILE_CONFIG
 
     @cute.jit
@@ -223,7 +242,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
     def _launch(
         self, mQ, mK, mV, mO, mLSE, mQLens, mKVLens, scale, softcap, diag_offset,
         window_left, window_right, stream, mSinks, mQSeg, mKVSeg, mKVBounds, mPageTable=None,
-        split_pages=None,
+        split_pages=None, descales=(None, None, None),
     ):
         if cutlass.const_expr(self.has_segments != (mQSeg is not None)):
             raise TypeError("segment tensors must be given exactly for the has_segments variant")
@@ -236,6 +255,8 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
         mQt = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
         mKt = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
         mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+        if cutlass.const_expr(self.fp8):  # already [B, Nkv, Hv, S] (fp8_operands.py)
+            mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 3, 1, 0]))
         mOt = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
@@ -244,9 +265,11 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
             cutlass.Float32, (1, 1, 1), (WG_ROWS, tile_n),
             warpgroup.OperandSource.RMEM if self.q_in_registers else warpgroup.OperandSource.SMEM,
         )
+        # FP8 WGMMA reads V K-major only: the keys contiguous (fp8_operands.py).
+        v_major = warpgroup.OperandMajorMode.K if self.fp8 else warpgroup.OperandMajorMode.MN
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype,
-            warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            warpgroup.OperandMajorMode.K, v_major,
             cutlass.Float32, (1, 1, 1), (WG_ROWS, hd_v),
             warpgroup.OperandSource.RMEM,
         )
@@ -256,15 +279,16 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
             LayoutEnum.ROW_MAJOR, (WG_ROWS, tile_n, hd), self.dtype, self.consumers
         )
         sO_layout = sQ_layout
-        if cutlass.const_expr(hd_v != hd):
+        if cutlass.const_expr(hd_v != hd or self.fp8):
             sO_layout = sm90_utils.make_smem_layout_a(
-                LayoutEnum.ROW_MAJOR, (WG_ROWS, tile_n, hd_v), self.dtype, self.consumers
+                LayoutEnum.ROW_MAJOR, (WG_ROWS, tile_n, hd_v), self.out_dtype, self.consumers
             )
         sK_layout = sm90_utils.make_smem_layout_b(
             LayoutEnum.ROW_MAJOR, (WG_ROWS, tile_n, hd), self.dtype, self.kv_stages
         )
         sV_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.COL_MAJOR, (WG_ROWS, hd_v, tile_n), self.dtype, self.kv_stages
+            LayoutEnum.ROW_MAJOR if self.fp8 else LayoutEnum.COL_MAJOR, (WG_ROWS, hd_v, tile_n),
+            self.dtype, self.kv_stages
         )
         sQ_stage = cute.slice_(sQ_layout, (None, None, 0))
         sK_stage = cute.slice_(sK_layout, (None, None, 0))
@@ -287,20 +311,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
             cpasync.CopyBulkTensorTileS2GOp(), mOt, sO_stage, (WG_ROWS, hd_v)
         )
 
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.consumers]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
-            sQ: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024
-            ]
-            sK: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024
-            ]
-            sV: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024
-            ]
+        SharedStorage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
 
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_stage)
         self.k_bytes = cute.size_in_bytes(self.dtype, sK_stage)
@@ -314,7 +325,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
             tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, tma_o, mO_tma,
             mLSE, mQLens, mKVLens,
             scale, softcap, diag_offset, window_left, window_right,
-            mSinks, mQSeg, mKVSeg, mKVBounds, mPageTable, split_pages,
+            mSinks, mQSeg, mKVSeg, mKVBounds, mPageTable, split_pages, *descales,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(
@@ -353,6 +364,9 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
         mKVBounds: Optional[cute.Tensor],
         mPageTable: Optional[cute.Tensor],
         split_pages: Optional[cutlass.Int32],
+        mQDescale: Optional[cute.Tensor],
+        mKDescale: Optional[cute.Tensor],
+        mVDescale: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -431,7 +445,10 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        if cutlass.const_expr(self.fp8):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        else:
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # Consumers release a stage with one arrive per warp, and a K / V
@@ -484,6 +501,10 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
                     )
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers())
+            out_scale = None
+            if cutlass.const_expr(self.fp8):
+                scale, out_scale = self._descaled(scale, mQDescale, mKDescale, mVDescale, batch,
+                                                  head_q, head_kv)
             scale_log2, softcap_in = logit_scales(scale, softcap)
             # The sink of this (batch, query head); -inf, which adds nothing, without one.
             sink = -cutlass.Float32.inf
@@ -495,7 +516,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
                 pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
                 scale_log2, softcap_in, diag_offset, window_left, window_right,
                 head_q, batch, wg_tile0, q_len, kv_len, n_block_min, n_block_max,
-                num_n_blocks, mQSeg, mKVSeg, sink,
+                num_n_blocks, mQSeg, mKVSeg, sink, out_scale,
             )
         if cutlass.const_expr(self.cluster_size > 1):
             # No CTA may exit while its peer can still arrive on its barriers.
@@ -509,7 +530,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
         pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
         scale_log2, softcap_in, diag_offset, window_left, window_right,
         head_q, batch, wg_tile0, q_len, kv_len, n_block_min, n_block_max, num_n_blocks,
-        mQSeg, mKVSeg, sink,
+        mQSeg, mKVSeg, sink, out_scale,
     ):
         tile_n = self.tile_n
         row_start = (wg_tile0 + wg) * WG_ROWS
@@ -556,8 +577,11 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
                             mKVSeg, batch)
         # P lives in one register fragment across iterations: written after
         # softmax(j), read by the PV GEMM issued in iteration j + 1.
-        rP = cute.make_rmem_tensor(acc_S_shape, self.dtype)
-        tOrP = cute.make_tensor(rP.iterator, wgmma_acc_as_operand_a(rP.layout))
+        if cutlass.const_expr(self.fp8):
+            rP, tOrP = p_fragments(acc_S_shape, tile_n)
+        else:
+            rP = cute.make_rmem_tensor(acc_S_shape, self.dtype)
+            tOrP = cute.make_tensor(rP.iterator, wgmma_acc_as_operand_a(rP.layout))
 
         # Tiles n in [full_lo, full_hi) are visible to every row of the CTA and
         # skip the mask; the others (kv_len edge, diagonal, window) apply it.
@@ -628,7 +652,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
                       mKVSeg, batch)
             online_softmax(acc_S_mn, row_max, row_sum, factor, scale_log2, self.conditional_rescale,
                            self.reduction_partials)
-            store_converted(acc_S, rP)
+            self._store_p(acc_S, rP)
 
             for i in cutlass.range(skipped + 1, num_n_blocks, unroll=1):
                 n_block = n_block_max - 1 - i
@@ -670,7 +694,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
                     pipe_k.consumer_release(kv_state)
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(v_state)
-                store_converted(acc_S, rP)
+                self._store_p(acc_S, rP)
 
             rescale_rows(acc_O_mn, factor, self.conditional_rescale)
             pipe_v.consumer_wait(kv_state)
@@ -689,5 +713,5 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks):
 
         store_output_tile(tidx, self.bar_epilogue + wg, tOsO, acc_O, acc_O_mn, tScS, row_max,
                           row_sum, scale_log2, sink, sO_wg, tma_o, mO, mLSE, head_q, batch,
-                          wg_tile0 + wg, row_start, q_len, self.dtype, (WG_ROWS, self.head_dim_v),
-                          WG_THREADS)
+                          wg_tile0 + wg, row_start, q_len, self.out_dtype, (WG_ROWS, self.head_dim_v),
+                          WG_THREADS, out_scale)

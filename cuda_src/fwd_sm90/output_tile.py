@@ -19,6 +19,7 @@ def store_output_tile(
     tidx, barrier_id, tOsO, acc_O, acc_O_mn, tScS, row_max, row_sum, scale_log2, sink, sO, tma_o,
     mO, mLSE, head_q, batch, wg_tile, row_start, q_len,
     dtype: cutlass.Constexpr, tile_shape: cutlass.Constexpr, threads: cutlass.Constexpr,
+    out_scale=None,
 ):
     """Normalise O, write the natural-log LSE (the sink's for a row that
     sees no key, whose O is exactly zero; NaN for one that saw a NaN or +Inf
@@ -33,6 +34,8 @@ def store_output_tile(
     that saw keys gets lse = logaddexp(lse of its keys, sink) and O scaled by
     e^(lse of its keys - lse); a sink of -inf takes no part, so that every
     bit stays as without it, and a NaN one makes the row NaN.
+
+    out_scale: a factor of O (the FP8 variant's v_descale), or None.
     """
     seqlen_q = mO.shape[0]
     sink_log2 = sink * LOG2E
@@ -44,6 +47,8 @@ def store_output_tile(
         # holds (rows of their own: a NaN there is no other row's).
         seen = total != 0.0 and row < q_len
         inv = cute.arch.rcp_approx(total)
+        if cutlass.const_expr(out_scale is not None):
+            inv = inv * out_scale
         lse = sink
         if seen:
             lse_log2 = row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)

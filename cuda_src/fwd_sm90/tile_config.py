@@ -67,3 +67,13 @@ SHORT_TILE = {
 # head dims of serving models; their tiles are TILE_CONFIG's, whose tile_n
 # are multiples of paged_kv.PAGE_BOX.
 PAGED = ((64, 64), (128, 128), (256, 256))
+
+# (head_dim, head_dim_v) -> (tile_n, kv_stages, consumer warpgroups) of the
+# FP8 (e4m3) variants (fp8_operands.py), not yet timed: FP8 WGMMA slices keys
+# by 32, so tile_n is a multiple of 32; Q / K / V take half the bytes of
+# bf16's, O (bf16) its own buffer.
+FP8_TILE_CONFIG = {
+    (64, 64): (128, 4, 3),  # bf16's tile: the FP8 stages take half its memory
+    (128, 128): (128, 3, 2),  # bf16's tile; 16 + 3 x 32 + 32 (O) KiB
+    (256, 256): (96, 2, 2),  # bf16's 80 is no multiple of 32; 128 would leave O 208 of 240 registers
+}

@@ -61,19 +61,22 @@ class ValueChecks:
         of V. Returns nonzero if its PV GEMM must zero V first
         (_clean_values): it holds one, or rows past the key length."""
         clean = Int32(0)
-        if partial:
-            n_start = n_block * self.tile_n
-            rows_valid = cutlass.max(cutlass.min(kv_len - n_start, self.tile_n), 0)
-            pipe_v.consumer_wait(kv_state)
-            sV_tile = sV[None, None, kv_state.index]
-            found = any_nonfinite(sV_tile, self._value_copy(), tidx, rows_valid, self.dtype)
-            bad = barrier_any(found, self.bar_epilogue + wg, WG_THREADS)
-            if bad != 0:
-                poison_seen_columns(acc_O_mn, tOcO, sV_tile, n_start, rows_valid, mask)
-            # Past the key length the buffer, or the last page, holds anything
-            # (past the tensor TMA wrote zeros; zeroed again, once a CTA).
-            if bad != 0 or rows_valid < self.tile_n:
-                clean = Int32(1)
+        # The FP8 variant has no checks (fp8_variant.py): its caller zeroes V
+        # past the key lengths.
+        if cutlass.const_expr(not self.fp8):
+            if partial:
+                n_start = n_block * self.tile_n
+                rows_valid = cutlass.max(cutlass.min(kv_len - n_start, self.tile_n), 0)
+                pipe_v.consumer_wait(kv_state)
+                sV_tile = sV[None, None, kv_state.index]
+                found = any_nonfinite(sV_tile, self._value_copy(), tidx, rows_valid, self.dtype)
+                bad = barrier_any(found, self.bar_epilogue + wg, WG_THREADS)
+                if bad != 0:
+                    poison_seen_columns(acc_O_mn, tOcO, sV_tile, n_start, rows_valid, mask)
+                # Past the key length the buffer, or the last page, holds anything
+                # (past the tensor TMA wrote zeros; zeroed again, once a CTA).
+                if bad != 0 or rows_valid < self.tile_n:
+                    clean = Int32(1)
         return clean
 
     @cute.jit
@@ -81,10 +84,11 @@ class ValueChecks:
         """In this warpgroup's GEMM turn, before the PV GEMM of KV tile
         v_block (v_state): zero the non-finite values of V and its rows past
         the key length, where _check_values asked for it."""
-        if clean != 0:
-            rows_valid = cutlass.max(cutlass.min(kv_len - v_block * self.tile_n, self.tile_n), 0)
-            pipe_v.consumer_wait(v_state)
-            zero_nonfinite(sV[None, None, v_state.index], self._value_copy(), tidx, rows_valid, self.dtype)
-            # Generic-proxy stores, read by WGMMA (async proxy).
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=self.bar_epilogue + wg, number_of_threads=WG_THREADS)
+        if cutlass.const_expr(not self.fp8):
+            if clean != 0:
+                rows_valid = cutlass.max(cutlass.min(kv_len - v_block * self.tile_n, self.tile_n), 0)
+                pipe_v.consumer_wait(v_state)
+                zero_nonfinite(sV[None, None, v_state.index], self._value_copy(), tidx, rows_valid, self.dtype)
+                # Generic-proxy stores, read by WGMMA (async proxy).
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=self.bar_epilogue + wg, number_of_threads=WG_THREADS)
