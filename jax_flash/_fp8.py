@@ -4,9 +4,9 @@ its callers need (docs/fp8.md).
 ``fp8_attention`` takes e4m3 q, k, v with float32 descale factors (the real
 value is ``code * descale``): q and k per (batch, head) or per (batch, head,
 block of rows), v per (batch, kv head). Today it runs the XLA composition
-(dequantise, float32 attention) or, on a CPU, jax_flash's CPU kernel on the
-dequantised float32 inputs; the Hopper kernel plugs in behind the same
-arguments.
+(dequantise, float32 attention), on a CPU jax_flash's CPU kernel on the
+dequantised float32 inputs, and on a Hopper GPU the FP8 kernel
+(_fp8_kernel.py) where it serves the call.
 """
 
 import functools
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flash import _api as api
+from jax_flash import _fp8_kernel as fp8_kernel
 from jax_flash import _reference as reference
 from jax_flash import _validation as validation
 
@@ -24,8 +25,6 @@ FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
 OUTPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 GRANULARITIES = ("tensor", "head", "block")
-NO_GPU_KERNEL = ("the Hopper FP8 attention kernel is not built yet; implementation=None runs the "
-                 "XLA composition (dequantised, float32)")
 FORWARD_ONLY = ("FP8 attention is forward only: no gradient is defined (train in bfloat16 or "
                 "float16 with jax_flash.attention)")
 
@@ -169,12 +168,20 @@ def _check_inputs(q, k, v, q_descale, k_descale, v_descale, block_size, output_d
   return shapes, descales, block_size
 
 
-def _backend(implementation, platform: str) -> str:
-  """"cpu" (jax_flash's CPU kernel on the dequantised inputs) or "xla"."""
+def _backend(implementation, platform: str, kernel_reason) -> str:
+  """"kernel" (the Hopper FP8 kernel), "cpu" (jax_flash's CPU kernel on the
+  dequantised inputs) or "xla". kernel_reason(): why the Hopper kernel
+  cannot run the call, or None."""
   if implementation == "xla":
     return "xla"
-  if implementation == "gpu" or (implementation == "flash" and platform == "gpu"):
-    raise NotImplementedError(f"implementation={implementation!r}: {NO_GPU_KERNEL}")
+  if implementation == "gpu" or (implementation in (None, "flash") and platform == "gpu"):
+    reason = kernel_reason()
+    if reason is None:
+      return "kernel"
+    if implementation is None:
+      return "xla"
+    raise NotImplementedError(f"implementation={implementation!r}: {reason}; implementation=None "
+                              "runs the XLA composition (dequantised, float32)")
   if implementation == "cpu" or platform == "cpu":
     return "cpu"
   if implementation == "flash":
@@ -228,9 +235,12 @@ def fp8_attention(q, k, v, q_descale, k_descale, v_descale, *, causal: bool = Fa
     output_dtype: ``jnp.bfloat16`` (default) or ``jnp.float16``.
     return_lse: also return the float32 log-sum-exp ``[batch, heads_q,
       seq_q]`` of the scaled logits of the dequantised inputs.
-    implementation: ``None`` runs jax_flash's CPU kernel on a CPU and the
-      XLA composition elsewhere (no FP8 GPU kernel exists yet); ``"flash"``
-      raises ``NotImplementedError`` on a GPU; ``"cpu"``; ``"xla"``.
+    implementation: ``None`` runs jax_flash's CPU kernel on a CPU, the
+      Hopper FP8 kernel on a Hopper GPU where it serves the call (head dims
+      64 / 128 / 256, one descale per (batch, head), no segment ids), and
+      the XLA composition elsewhere; ``"flash"`` raises
+      ``NotImplementedError`` where no kernel serves it; ``"cpu"``;
+      ``"xla"``.
 
   Forward only: ``jax.grad`` through it raises ``NotImplementedError``.
   NaN semantics of ``attention`` on the dequantised values: a NaN code (or
@@ -251,11 +261,18 @@ def fp8_attention(q, k, v, q_descale, k_descale, v_descale, *, causal: bool = Fa
   q_lens = validation.check_lengths(query_seq_lengths, "query_seq_lengths", shapes.batch)
   kv_lens = validation.check_lengths(key_value_seq_lengths, "key_value_seq_lengths", shapes.batch)
   segment_ids = validation.check_segment_ids(segment_ids, shapes)
-  backend = _backend(implementation, api._platform_of(q, k, v))
+  kernel_reason = lambda: fp8_kernel.unavailable_reason(
+      output_dtype, shapes.head_dim, shapes.head_dim_v, shapes.seq_k, block_size, segment_ids)
+  backend = _backend(implementation, api._platform_of(q, k, v), kernel_reason)
   mask = dict(scale=scale, diag_offset=shapes.seq_k - shapes.seq_q, window_left=window_left,
               window_right=window_right)
 
   def compute(q, k, v, q_descale, k_descale, v_descale, q_lens, kv_lens, q_ids, kv_ids):
+    if backend == "kernel":
+      full = lambda lens, seq: jnp.full(shapes.batch, seq, jnp.int32) if lens is None else lens
+      return fp8_kernel.fp8_forward(q, k, v, q_descale, k_descale, v_descale,
+                                    full(q_lens, shapes.seq_q), full(kv_lens, shapes.seq_k),
+                                    output_dtype=output_dtype, **mask)
     q32, k32 = dequantize_fp8(q, q_descale, block_size), dequantize_fp8(k, k_descale, block_size)
     v32 = dequantize_fp8(v, v_descale)
     if backend == "xla":

@@ -15,6 +15,7 @@ import jax_flash
 import numerics
 from attention_base import mask_kwargs
 from jax_flash import _fp8 as fp8
+from jax_flash import _fp8_kernel as fp8_kernel
 from jax_flash import _paged_fp8 as paged_fp8
 from jax_flash import _reference as reference
 from test_paged import assert_matches_float64, make_batch, run_paged
@@ -89,10 +90,14 @@ class Fp8Checks:
     mask = mask_kwargs(seq_q, seq_k, causal, window, q_lens, kv_lens, segment_ids)
     mask["scale"] = 1 / np.sqrt(head_dim)
     truth = reference_fp8(codes, descales, block_size, compute_dtype=jnp.float64, **mask)
-    naive = reference_fp8(codes, descales, block_size, compute_dtype=jnp.bfloat16, **mask)
+    naive = self.naive(codes, descales, block_size, truth, **mask)
     for name, g, r, n in zip(("out", "lse"), got, truth, naive):
       numerics.assert_within_tolerance(name, g, r, n, jnp.bfloat16, reduction=max(seq_q, seq_k))
     return got
+
+  def naive(self, codes, descales, block_size, truth, **mask):
+    """The yardstick: the dequantised inputs' attention in bfloat16."""
+    return reference_fp8(codes, descales, block_size, compute_dtype=jnp.bfloat16, **mask)
 
   @pytest.mark.parametrize("causal", [pytest.param(False, marks=pytest.mark.slow), True],
                            ids=["full", "causal"])
@@ -288,11 +293,14 @@ def test_errors():
     jax_flash.fp8_attention(q, k, v, *descales[:2], descales[2].astype(jnp.bfloat16))
   with pytest.raises(ValueError, match="output_dtype must be bfloat16 or float16"):
     call(output_dtype=jnp.float32)
-  with pytest.raises(NotImplementedError, match="Hopper FP8 attention kernel is not built yet"):
+  with pytest.raises(NotImplementedError, match="holds no Hopper FP8 kernels|needs a Hopper GPU"):
     call(implementation="gpu")
-  with pytest.raises(NotImplementedError, match="Hopper FP8 attention kernel is not built yet"):
-    fp8._backend("flash", "gpu")
-  assert fp8._backend(None, "gpu") == "xla"
+  unserved = lambda: "no FP8 kernel here"
+  with pytest.raises(NotImplementedError, match="no FP8 kernel here; implementation=None runs"):
+    fp8._backend("flash", "gpu", unserved)
+  assert fp8._backend(None, "gpu", unserved) == "xla"
+  assert fp8._backend(None, "gpu", lambda: None) == "kernel"
+  assert fp8._backend(None, "cpu", lambda: None) == "cpu"
   with pytest.raises(ValueError, match="granularity must be one of"):
     jax_flash.quantize_fp8(jnp.ones((1, 2, 1, 8)), granularity="row")
 
@@ -422,16 +430,105 @@ def test_paged_fp8_errors():
     call(page_table=inputs["page_table"].at[1, 0].set(99))
 
 
+def requantized_p_reference(codes, descales, *, scale, q_lens=None, kv_lens=None, **mask):
+  """(out, lse) of the dequantised inputs' attention in float32 with the
+  normalised P rounded to e4m3 before P V: the maths of a naive FP8
+  kernel, the yardstick of the Hopper kernel (which requantises P)."""
+  q, k = (fp8.dequantize_fp8(x, s) for x, s in zip(codes[:2], descales[:2]))
+  v = fp8.dequantize_fp8(codes[2], descales[2])
+  batch, seq_q, heads_q, _ = q.shape
+  seq_k, heads_kv = k.shape[1], k.shape[2]
+  visible = reference.visible_mask(seq_q, seq_k, q_lens=q_lens, kv_lens=kv_lens, **mask)
+  with jax.default_matmul_precision("highest"):
+    qg = q.reshape(batch, seq_q, heads_kv, heads_q // heads_kv, -1)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k) * scale
+    scores = jnp.where(visible[:, :, None], scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    probs = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    row_sum = jnp.sum(probs, axis=-1, keepdims=True)
+    probs = (probs / jnp.where(row_sum > 0, row_sum, 1.0)).astype(FP8).astype(jnp.float32)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+  return np.asarray(out.reshape(batch, seq_q, heads_q, -1), np.float64)
+
+
+def _fp8_kernel_reason(head_dim):
+  return fp8_kernel.unavailable_reason(jnp.bfloat16, head_dim, head_dim, 1, None, (None, None))
+
+
 @pytest.mark.gpu
-def test_gpu_flash_raises_and_default_runs_xla():
-  """No FP8 kernel on the GPU yet: "flash" says so, None runs the XLA
-  composition (the same bits as "xla")."""
-  codes, descales = quantized_qkv(6, 2, 64, 64, 4, 2, 128)
-  with pytest.raises(NotImplementedError, match="Hopper FP8 attention kernel is not built yet"):
-    jax_flash.fp8_attention(*codes, *descales, implementation="flash")
-  for g, w in zip(run_fp8(codes, descales, None, causal=True),
-                  run_fp8(codes, descales, "xla", causal=True)):
-    np.testing.assert_array_equal(g, w)
+class TestFp8Gpu(Fp8Checks):
+  """The Hopper FP8 kernel (implementation="flash") against the float64
+  reference, with a naive FP8 kernel's error (P requantised) as yardstick."""
+
+  implementation = "flash"
+
+  @pytest.fixture(autouse=True)
+  def _on_hopper(self, request):
+    callspec = getattr(request.node, "callspec", None)
+    reason = _fp8_kernel_reason(callspec.params.get("head_dim", 128) if callspec else 128)
+    if reason is not None:
+      pytest.skip(reason)
+
+  def naive(self, codes, descales, block_size, truth, **mask):
+    out = requantized_p_reference(codes, descales, **{
+        n: x for n, x in mask.items() if n not in ("q_segment_ids", "kv_segment_ids")})
+    return out, truth[1]  # requantising P leaves the lse as it is
+
+  @pytest.mark.parametrize("case", ["window", "gqa-lengths"])
+  def test_masks_and_block_scales(self, case):
+    super().test_masks_and_block_scales(case)
+
+  def test_float16_output_and_causal_window(self, head_dim):
+    codes, descales = quantized_qkv(4, 2, 300, 520, 8, 2, head_dim)
+    got = jax_flash.fp8_attention(*codes, *descales, window=(100, 0), output_dtype=jnp.float16,
+                                  implementation="flash")
+    assert got.dtype == jnp.float16
+    mask = dict(scale=1 / np.sqrt(head_dim), diag_offset=220, window_left=100, window_right=0)
+    truth, _ = reference_fp8(codes, descales, compute_dtype=jnp.float64, **mask)
+    numerics.assert_within_tolerance("out", np.asarray(got, np.float64), truth,
+                                     requantized_p_reference(codes, descales, **mask),
+                                     jnp.float16, reduction=520)
+
+  def test_default_call_runs_the_kernel_and_grad_raises(self):
+    codes, descales = quantized_qkv(1, 1, 64, 64, 2, 1, 128)
+    hlo = jax.jit(jax_flash.fp8_attention).lower(*codes, *descales).as_text()
+    assert "jax_flash_gpu_fp8_fwd" in hlo
+    loss = lambda s: jax_flash.fp8_attention(*codes, s, *descales[1:]).astype(jnp.float32).sum()
+    with pytest.raises(NotImplementedError, match="forward only"):
+      jax.grad(loss)(descales[0])
+
+  def test_unserved_calls(self):
+    """Segments and per-block descales: "flash" raises, None runs XLA."""
+    codes, descales = quantized_qkv(2, 2, 100, 100, 4, 2, 128, block_size=64)
+    with pytest.raises(NotImplementedError, match="one descale per"):
+      jax_flash.fp8_attention(*codes, *descales, block_size=64, implementation="flash")
+    for g, w in zip(run_fp8(codes, descales, None, block_size=64),
+                    run_fp8(codes, descales, "xla", block_size=64)):
+      np.testing.assert_array_equal(g, w)
+    codes, descales = quantized_qkv(2, 2, 100, 100, 4, 2, 128)
+    ids = jnp.repeat(jnp.array([[0, 1], [2, 2]], jnp.int32), 50, axis=1)
+    with pytest.raises(NotImplementedError, match="segment_ids"):
+      jax_flash.fp8_attention(*codes, *descales, segment_ids=ids, implementation="flash")
+
+
+def test_value_transposed_renames_keys_within_slices():
+  """The transposed V holds key c of every 32-key slice at key_slot(c),
+  zeros past the key lengths and past the keys (fp8_operands.py)."""
+  assert sorted(fp8_kernel.key_slot(c) for c in range(32)) == list(range(32))
+  v = jnp.arange(2 * 70 * 3 * 4, dtype=jnp.float32).reshape(2, 70, 3, 4) % 400
+  codes = v.astype(FP8)
+  got = np.asarray(fp8_kernel.value_transposed(codes, jnp.array([70, 40], jnp.int32)), np.float32)
+  assert got.shape == (2, 3, 4, 96)
+  want = np.zeros((2, 3, 4, 96), np.float32)
+  for c in range(70):
+    column = c // 32 * 32 + fp8_kernel.key_slot(c % 32)
+    want[:, :, :, column] = np.asarray(codes[:, c], np.float32)
+  want[1, :, :, [c // 32 * 32 + fp8_kernel.key_slot(c % 32) for c in range(40, 70)]] = 0
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu
+def test_gpu_paged_flash_raises():
   inputs, _, _ = fp8_batch(7, [100, 7], [1, 2], page_size=16)
   with pytest.raises(NotImplementedError, match="Hopper FP8 paged kernel is not built yet"):
     jax_flash.paged_attention(**inputs, implementation="flash")

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "attention_ffi.h"
+#include "fp8_ffi.h"
 #include "mla_ffi.h"
 #include "paged_ffi.h"
 
@@ -154,6 +155,26 @@ ffi::Error PagedFwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_
                       softcap, window_left, window_right, split_pages);
 }
 
+ffi::Error Fp8FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v_t,
+                      ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::AnyBuffer q_descale,
+                      ffi::AnyBuffer k_descale, ffi::AnyBuffer v_descale,
+                      ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale,
+                      int32_t diag_offset, int32_t window_left, int32_t window_right) {
+  g_handler_calls.fetch_add(1, std::memory_order_relaxed);
+  auto launch = [stream](const JfFp8FwdArgs& args) {
+    return CallKernel([&](char* err, size_t n) {
+#ifdef JF_HAVE_FWD_SM90
+      return jax_flash_fwd_sm90_fp8(&args, stream, err, n);
+#else
+      std::snprintf(err, n, "this build holds no Hopper kernels for FP8 attention");
+      return 1;
+#endif
+    });
+  };
+  return Fp8Forward(launch, q, k, v_t, q_lens, kv_lens, q_descale, k_descale, v_descale, o, lse,
+                    scale, diag_offset, window_left, window_right);
+}
+
 ffi::Error MlaDecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer cache,
                          ffi::AnyBuffer page_table, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
                          ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
@@ -215,5 +236,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFlashMlaDecodeCuda, jax_flash::MlaDecodeCuda,
     jax_flash::BindMlaDecode(
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFlashFp8FwdCuda, jax_flash::Fp8FwdCuda,
+    jax_flash::BindFp8Forward(
         xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
     {xla::ffi::Traits::kCmdBufferCompatible});

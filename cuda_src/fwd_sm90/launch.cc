@@ -294,6 +294,109 @@ int ValidatePaged(const JfPagedFwdArgs* a, char* err, size_t err_len) {
   return 0;
 }
 
+// ---- FP8 inputs (kernel_api.h: JfFp8FwdArgs; fp8_variant.py) ----------------
+
+constexpr int kFp8KeySlice = 32;  // fp8_operands.py: MMA_K, the keys v_t is padded to
+
+#define JF_DEFINE_FWD_FP8_VARIANT(arch_tag, dtype_enum, hd, hd_v, prefix)                    \
+  LoadedModule<prefix##_Kernel_Module_t> g_##prefix;                                      \
+  int Launch_##prefix(const JfFp8FwdArgs& a, cudaStream_t stream, char* err,              \
+                      size_t err_len) {                                                   \
+    cudaError_t load = EnsureLoaded(g_##prefix, prefix##_Kernel_Module_Load);             \
+    if (load != cudaSuccess) {                                                            \
+      return Fail(err, err_len, "jax_flash_fwd_sm90_fp8: loading " #prefix ": %s",        \
+                  cudaGetErrorString(load));                                              \
+    }                                                                                     \
+    const JfProblem& p = a.problem;                                                       \
+    const int64_t h = p.head_dim, hv = p.head_dim_v;                                      \
+    prefix##_Tensor_mQ_t q = {const_cast<void*>(a.q),                                     \
+                              {p.batch, p.seqlen_q, p.heads_q},                           \
+                              {Prod(p.seqlen_q, p.heads_q, h), Prod(p.heads_q, h)}};      \
+    prefix##_Tensor_mK_t k = {const_cast<void*>(a.k),                                     \
+                              {p.batch, p.seqlen_k, p.heads_kv},                          \
+                              {Prod(p.seqlen_k, p.heads_kv, h), Prod(p.heads_kv, h)}};    \
+    prefix##_Tensor_mVt_t v_t = {const_cast<void*>(a.v_t),                               \
+                                 {p.batch, p.heads_kv, a.seqlen_v},                       \
+                                 {Prod(p.heads_kv, hv, a.seqlen_v), Prod(hv, a.seqlen_v),  \
+                                  a.seqlen_v}};                                           \
+    prefix##_Tensor_mO_t o = {a.o,                                                        \
+                              {p.batch, p.seqlen_q, p.heads_q},                           \
+                              {Prod(p.seqlen_q, p.heads_q, hv), Prod(p.heads_q, hv)}};    \
+    prefix##_Tensor_mLSE_t lse = {a.lse,                                                  \
+                                  {p.batch, p.heads_q, p.seqlen_q},                       \
+                                  {Prod(p.heads_q, p.seqlen_q), p.seqlen_q}};             \
+    prefix##_Tensor_mQLens_t q_lens = {const_cast<int32_t*>(a.q_lens), {p.batch}};        \
+    prefix##_Tensor_mKVLens_t kv_lens = {const_cast<int32_t*>(a.kv_lens), {p.batch}};     \
+    prefix##_Tensor_mQDescale_t q_descale = {const_cast<float*>(a.q_descale),             \
+                                             {p.batch, p.heads_q}, {p.heads_q}};          \
+    prefix##_Tensor_mKDescale_t k_descale = {const_cast<float*>(a.k_descale),             \
+                                             {p.batch, p.heads_kv}, {p.heads_kv}};        \
+    prefix##_Tensor_mVDescale_t v_descale = {const_cast<float*>(a.v_descale),             \
+                                             {p.batch, p.heads_kv}, {p.heads_kv}};        \
+    int32_t rc = cute_dsl_##prefix##_wrapper(                                             \
+        &g_##prefix.module, &q, &k, &v_t, &o, &lse, &q_lens, &kv_lens, p.scale,           \
+        p.diag_offset, p.window_left, p.window_right, stream, &q_descale, &k_descale,     \
+        &v_descale);                                                                      \
+    if (rc != 0) {                                                                        \
+      return Fail(err, err_len, "jax_flash_fwd_sm90_fp8: " #prefix " returned %d", rc);   \
+    }                                                                                     \
+    return 0;                                                                             \
+  }
+JF_FWD_SM90_FP8_VARIANTS_SM_90A(JF_DEFINE_FWD_FP8_VARIANT)
+#undef JF_DEFINE_FWD_FP8_VARIANT
+
+using Fp8LaunchFn = int (*)(const JfFp8FwdArgs&, cudaStream_t, char*, size_t);
+
+Fp8LaunchFn FindFp8Variant(int32_t out_dtype, int32_t head_dim, int32_t head_dim_v) {
+#define JF_MATCH_FP8_VARIANT(arch_tag, dtype_enum, hd, hd_v, prefix) \
+  if (out_dtype == dtype_enum && head_dim == hd && head_dim_v == hd_v) return Launch_##prefix;
+  JF_FWD_SM90_FP8_VARIANTS_SM_90A(JF_MATCH_FP8_VARIANT)
+#undef JF_MATCH_FP8_VARIANT
+  return nullptr;
+}
+
+// Every value the kernel relies on; a message naming the first that fails.
+int ValidateFp8(const JfFp8FwdArgs* a, char* err, size_t err_len) {
+  if (a == nullptr) return Fail(err, err_len, "jax_flash_fwd_sm90_fp8: args is null");
+  const JfProblem& p = a->problem;
+  if (p.has_segments != 0 || p.softcap != 0.0f) {
+    return Fail(err, err_len, "jax_flash_fwd_sm90_fp8: no segments or softcap, got "
+                "has_segments=%d softcap=%g", p.has_segments, static_cast<double>(p.softcap));
+  }
+  if (jax_flash_launch::CheckOptions(p, "jax_flash_fwd_sm90_fp8", err, err_len) != 0) return 1;
+  if (FindFp8Variant(p.dtype, p.head_dim, p.head_dim_v) == nullptr) {
+    return Fail(err, err_len,
+                "jax_flash_fwd_sm90_fp8: no kernel for output JfDtype %d, head_dim %d, "
+                "head_dim_v %d", static_cast<int>(p.dtype), p.head_dim, p.head_dim_v);
+  }
+  if (p.batch < 0 || p.seqlen_q < 0 || p.seqlen_k <= 0 || p.heads_q <= 0 || p.heads_kv <= 0 ||
+      p.heads_q % p.heads_kv != 0 || p.heads_q > kMaxGridYZ || p.batch > kMaxGridYZ) {
+    return Fail(err, err_len,
+                "jax_flash_fwd_sm90_fp8: need batch, seqlen_q >= 0, seqlen_k > 0, heads_q a "
+                "multiple of heads_kv > 0, batch and heads_q <= %d; got batch=%d seqlen_q=%d "
+                "seqlen_k=%d heads_q=%d heads_kv=%d", kMaxGridYZ, p.batch, p.seqlen_q,
+                p.seqlen_k, p.heads_q, p.heads_kv);
+  }
+  if (a->seqlen_v < p.seqlen_k || a->seqlen_v % kFp8KeySlice != 0) {
+    return Fail(err, err_len,
+                "jax_flash_fwd_sm90_fp8: seqlen_v must be a multiple of %d >= seqlen_k=%d, "
+                "got %d", kFp8KeySlice, p.seqlen_k, a->seqlen_v);
+  }
+  if (p.batch == 0 || p.seqlen_q == 0) return 0;
+  const void* vectors[] = {a->q, a->k, a->v_t, a->o};
+  for (const void* ptr : vectors) {
+    if (!jax_flash_launch::IsAligned(ptr, kOperandAlign)) {
+      return Fail(err, err_len, "jax_flash_fwd_sm90_fp8: q, k, v_t and o must be %d-byte aligned",
+                  static_cast<int>(kOperandAlign));
+    }
+  }
+  if (a->q_lens == nullptr || a->kv_lens == nullptr || a->lse == nullptr ||
+      a->q_descale == nullptr || a->k_descale == nullptr || a->v_descale == nullptr) {
+    return Fail(err, err_len, "jax_flash_fwd_sm90_fp8: a length, lse or descale pointer is null");
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" int jax_flash_fwd_sm90_paged_can_implement(const JfPagedFwdArgs* args) {
@@ -320,6 +423,38 @@ extern "C" int jax_flash_fwd_sm90_paged(const JfPagedFwdArgs* args, void* stream
   e = cudaGetLastError();
   if (e != cudaSuccess) {
     return Fail(err, err_len, "jax_flash_fwd_sm90_paged: launch failed: %s", cudaGetErrorString(e));
+  }
+  return 0;
+}
+
+extern "C" int jax_flash_fwd_sm90_fp8_has_variant(int32_t out_dtype, int32_t head_dim,
+                                                  int32_t head_dim_v) {
+  return FindFp8Variant(out_dtype, head_dim, head_dim_v) != nullptr;
+}
+
+extern "C" int jax_flash_fwd_sm90_fp8_can_implement(const JfFp8FwdArgs* args) {
+  char unused[8];
+  if (ValidateFp8(args, unused, sizeof unused) != 0) return 0;
+  int device = 0;
+  return cudaGetDevice(&device) == cudaSuccess && IsHopper(device);
+}
+
+extern "C" int jax_flash_fwd_sm90_fp8(const JfFp8FwdArgs* args, void* stream, char* err,
+                                      size_t err_len) {
+  if (int rc = ValidateFp8(args, err, err_len)) return rc;
+  const JfProblem& p = args->problem;
+  if (p.batch == 0 || p.seqlen_q == 0) return 0;
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess || !IsHopper(device)) {
+    return Fail(err, err_len, "jax_flash_fwd_sm90_fp8: device %d is not compute capability 9.x",
+                device);
+  }
+  Fp8LaunchFn launch = FindFp8Variant(p.dtype, p.head_dim, p.head_dim_v);
+  if (int rc = launch(*args, static_cast<cudaStream_t>(stream), err, err_len)) return rc;
+  e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    return Fail(err, err_len, "jax_flash_fwd_sm90_fp8: launch failed: %s", cudaGetErrorString(e));
   }
   return 0;
 }

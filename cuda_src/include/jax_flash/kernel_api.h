@@ -212,6 +212,31 @@ typedef struct JfMlaDecodeArgs {
   float* lse;
 } JfMlaDecodeArgs;
 
+// FP8 attention (jax_flash.fp8_attention) on Hopper: e4m3 q and k in
+// JfFwdArgs' layouts; v_t is V transposed, [batch, heads_kv, head_dim_v,
+// seqlen_v] with seqlen_v >= seqlen_k a multiple of 32, key c of every
+// 32-key slice at column 16 (j / 2) + 4 q + 2 (j % 2) + e of the slice,
+// where c = 8 j + 2 q + e (cuda_src/fwd_sm90/fp8_operands.py), and zeros
+// past each sequence's kv_lens. o [batch, seqlen_q, heads_q, head_dim_v]
+// in problem.dtype (JF_BFLOAT16 or JF_FLOAT16), lse as in JfFwdArgs. The
+// real values are code * descale: q_descale [batch, heads_q], k_descale
+// and v_descale [batch, heads_kv], float32. problem.has_segments and
+// problem.softcap must be 0.
+typedef struct JfFp8FwdArgs {
+  JfProblem problem;
+  int32_t seqlen_v;
+  const void* q;
+  const void* k;
+  const void* v_t;
+  const int32_t* q_lens;
+  const int32_t* kv_lens;
+  void* o;
+  float* lse;
+  const float* q_descale;
+  const float* k_descale;
+  const float* v_descale;
+} JfFp8FwdArgs;
+
 // Return 0 on success. On failure return non-zero and write a NUL-terminated
 // message of at most err_len bytes into err. GPU entry points enqueue work on
 // `stream` (a cudaStream_t) and never synchronise the host or allocate.
@@ -253,6 +278,13 @@ int jax_flash_fwd_sm90_paged(const JfPagedFwdArgs* args, void* stream, char* err
 int jax_flash_fwd_sm80_paged_can_implement(const JfPagedFwdArgs* args);
 int jax_flash_fwd_sm80_paged(const JfPagedFwdArgs* args, void* stream, char* err,
                              size_t err_len);
+
+// FP8 attention on Hopper: 1 when this build holds a variant for the output
+// dtype (JfDtype) and head dims (Python asks while tracing), and whether it
+// serves the arguments on the current device.
+int jax_flash_fwd_sm90_fp8_has_variant(int32_t out_dtype, int32_t head_dim, int32_t head_dim_v);
+int jax_flash_fwd_sm90_fp8_can_implement(const JfFp8FwdArgs* args);
+int jax_flash_fwd_sm90_fp8(const JfFp8FwdArgs* args, void* stream, char* err, size_t err_len);
 
 // MLA decoding on Hopper: 1 when the current device and the arguments are served.
 int jax_flash_mla_sm90_can_implement(const JfMlaDecodeArgs* args);
