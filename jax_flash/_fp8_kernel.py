@@ -88,7 +88,8 @@ def fp8_forward(q, k, v, q_descale, k_descale, v_descale, q_lens, kv_lens, *, sc
   head_dim_v = v.shape[-1]
   out_types = (jax.ShapeDtypeStruct((batch, seq_q, heads_q, head_dim_v), output_dtype),
                jax.ShapeDtypeStruct((batch, heads_q, seq_q), jnp.float32))
-  return jax.ffi.ffi_call(_TARGET, out_types)(
+  # The handler reads rank-4 operands: under vmap, one call per mapped entry.
+  return jax.ffi.ffi_call(_TARGET, out_types, vmap_method="sequential")(
       q, k, value_transposed(v, kv_lens), q_lens, kv_lens, q_descale, k_descale, v_descale,
       scale=np.float32(scale), diag_offset=np.int32(diag_offset),
       window_left=np.int32(window_left), window_right=np.int32(window_right))
