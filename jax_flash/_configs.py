@@ -32,8 +32,9 @@ class BackendSupport:
   # dim 128).
   query_tile_rows: int
   # A forward with fewer CTAs than this splits its keys (kv_split.py); 0:
-  # never (the CPU kernels parallelise over their own tasks).
-  kv_split_ctas: int
+  # never (the CPU kernels parallelise over their own tasks); None: one wave
+  # of the device, its SM count (_gpu_support.split_target).
+  kv_split_ctas: int | None
 
   def unsupported_reason(self, dtype, head_dim: int, head_dim_v: int) -> str | None:
     """Why this backend cannot run the problem, or None when it can."""
@@ -60,6 +61,10 @@ class BackendSupport:
       return 0
     return head_dim - head_dim_v
 
+
+# The head dims (head_dim == head_dim_v) of the Hopper paged forward
+# (cuda_src/fwd_sm90/tile_config.py: PAGED).
+PAGED_HEAD_DIMS = (64, 128, 256)
 
 # CUDA's limit on a grid's y and z dimensions, which the kernels give to
 # batch entries (times key splits) and heads.
@@ -103,8 +108,7 @@ GPU = BackendSupport(
     pads_head_dim_v=True,
     native_value_dims=((192, 128),),
     query_tile_rows=128,
-    # One wave on an H100 (kv_split.py has the measurements).
-    kv_split_ctas=132,
+    kv_split_ctas=None,
 )
 
 BACKENDS = {"cpu": CPU, "gpu": GPU}

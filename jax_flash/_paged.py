@@ -28,10 +28,12 @@ from jax_flash import _cpu_ffi
 from jax_flash import _api as api
 from jax_flash import _configs as configs
 from jax_flash import _ffi as ffi
+from jax_flash import _gpu_support as gpu_support
 from jax_flash import _paged_fp8 as paged_fp8
 from jax_flash import _reference as reference
 from jax_flash import _sharding as sharding
 from jax_flash import _validation as validation
+from jax_flash._call import Mask
 from jax_flash._sinks import add_sinks
 
 _PAGED_TARGET = "jax_flash_gpu_paged_fwd_v1"
@@ -131,9 +133,8 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
   shapes = _check_paged(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
                         kv_split_size)
   scale = validation.check_scale(scale, shapes["head_dim"])
-  window_left, window_right = validation.check_window(window, "window")
-  if validation.check_flag(causal, "causal"):
-    window_right = 0 if window_right < 0 else min(window_right, 0)
+  window = validation.check_window(window, "window")
+  visible = Mask.of(causal=validation.check_flag(causal, "causal"), window=window)
   softcap = validation.check_softcap(softcap)
   sinks = validation.check_sinks(sinks, jnp.shape(q)[2])
   batch, max_new = q.shape[:2]
@@ -143,7 +144,8 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
   query_lengths = jnp.asarray(query_lengths, jnp.int32)
   page_table = jnp.asarray(page_table, jnp.int32)
   platform = api._platform_of(q)
-  mask = dict(scale=scale, softcap=softcap, window_left=window_left, window_right=window_right)
+  mask = dict(scale=scale, softcap=softcap, window_left=visible.window_left,
+              window_right=visible.window_right)
   if implementation == "xla":
     attend = functools.partial(paged_attention_reference, **mask)
   else:
@@ -458,13 +460,13 @@ def _kernel_unavailable_reason(platform, q, shapes) -> str | None:
     return f"jax_flash has no paged kernel for platform {platform!r} yet"
   if not _CUDA_REGISTERED:
     return "this installation holds no paged GPU kernel"
-  capability = ffi.gpu_compute_capability()
-  if capability is None or capability[0] != 9:
-    return f"the paged kernel needs a Hopper GPU (compute capability 9.x), got {capability}"
+  if not gpu_support.is_hopper():
+    return ("the paged kernel needs a Hopper GPU (compute capability 9.x), got "
+            f"{ffi.gpu_compute_capability()}")
   if np.dtype(q.dtype) not in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)):
     return f"the paged kernel supports float16 and bfloat16, got {np.dtype(q.dtype).name}"
-  if shapes["head_dim"] not in (64, 128, 256) or shapes["head_dim_v"] != shapes["head_dim"]:
-    return ("the paged kernel supports head_dim == head_dim_v in (64, 128, 256), got "
+  if shapes["head_dim"] not in configs.PAGED_HEAD_DIMS or shapes["head_dim_v"] != shapes["head_dim"]:
+    return (f"the paged kernel supports head_dim == head_dim_v in {configs.PAGED_HEAD_DIMS}, got "
             f"{shapes['head_dim']} and {shapes['head_dim_v']}")
   return None
 
