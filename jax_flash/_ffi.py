@@ -180,6 +180,18 @@ def sm90_forward_has_variant(dtype: str, head_dim: int, head_dim_v: int,
 
 
 @functools.cache
+def sm90_backward_has_variant(dtype: str, head_dim: int, head_dim_v: int, deterministic: bool,
+                              has_segments: bool, softcap: bool) -> bool:
+  """Whether the library holds a Hopper backward variant of these dims and
+  kind (kernel_api.h: jax_flash_bwd_sm90_has_variant)."""
+  query = _library_query("jax_flash_bwd_sm90_has_variant", 6)
+  if query is None or dtype not in _JF_DTYPES:
+    return False
+  return bool(query(_JF_DTYPES[dtype], head_dim, head_dim_v, int(deterministic),
+                    int(has_segments), int(softcap)))
+
+
+@functools.cache
 def sm90_dq_tile_rows(head_dim: int, head_dim_v: int) -> int:
   """The query rows of the tiles in which the Hopper backward kernels of
   these head dims take dq_accum (kernel_api.h: dq_tile_rows); 0: q's layout."""

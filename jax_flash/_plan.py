@@ -15,7 +15,6 @@ says it holds (``_ffi``'s queries).
 import dataclasses
 import math
 
-import jax.numpy as jnp
 import numpy as np
 
 from jax_flash import _configs as configs
@@ -28,7 +27,6 @@ from jax_flash._call import UNMASKED, KernelCall, MaskOperands
 # Query rows per dq_semaphore entry (kernel_api.h: the smallest query tile of
 # the GPU backward kernels).
 SEMAPHORE_ROWS = 32
-_HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,10 +84,13 @@ def plan_forward(q, k, v, masks: MaskOperands, call: KernelCall, *, sinks: bool)
     return ForwardPlan(value_padding=0, pack=1, inner=call, fixed_split=False, parts=1,
                        kernel_adds_sinks=False)
   hopper = _hopper(call)
-  padding = configs.BACKENDS[call.backend].value_padding(q.shape[-1], v.shape[-1], hopper)
+  has_segments = masks.has_segments
+  padding = configs.BACKENDS[call.backend].value_padding(q.shape[-1], v.shape[-1])
+  if padding and hopper and ffi.sm90_forward_has_variant(np.dtype(q.dtype).name, q.shape[-1],
+                                                         v.shape[-1], has_segments):
+    padding = 0  # a Hopper variant of these head dims takes V as it is (DeepSeek's 192 / 128)
   head_dim_v = v.shape[-1] + padding
   pack, inner, rows = _packing(q, k, call)
-  has_segments = masks.has_segments
   fixed_split = kv_split.fixed_split_applies(rows, k.shape, head_dim_v, q.dtype, inner,
                                              has_segments=has_segments, hopper=hopper)
   parts = 1 if fixed_split else kv_split.parts(rows, k.shape, inner, has_segments=has_segments,
@@ -116,20 +117,33 @@ def plan_backward(q, k, v, masks: MaskOperands, call: KernelCall) -> BackwardPla
   if call.backend == "xla" or (call.backward_on_xla and call.backend == "gpu"):
     return BackwardPlan(on_xla=True, value_padding=0, pack=1, inner=call, dq_chains=1,
                         dq_tile_rows=0, first_turn_query_tile=0)
-  # The Hopper backward kernels serve it (cuda_src/bwd_sm90/launch.cc: can_implement).
-  sm90 = _hopper(call) and configs.sm90_backward_serves(
-      deterministic=call.deterministic, has_segments=masks.has_segments,
-      softcap=call.softcap > 0, batch=math.prod(q.shape[:-3]), heads_kv=v.shape[-2])
-  padding = configs.BACKENDS[call.backend].value_padding(q.shape[-1], v.shape[-1], sm90)
+  sm90, padding = _sm90_backward(q, v, masks, call)
   dims = (q.shape[-1], v.shape[-1] + padding)
   pack, inner, _ = _packing(q, k, call)
-  half = np.dtype(q.dtype) in _HALF_DTYPES
   chains = 1
   if sm90 and call.deterministic and not inner.mask.windowed:
     # Only the unmasked deterministic kernel uses more (bwd_sm90/warp_roles.py, "dQ chains").
     chains = ffi.sm90_deterministic_dq_chains(*dims, k.shape[-3])
-  tile_rows = ffi.sm90_dq_tile_rows(*dims) if sm90 and half else 0
-  first_turn = (ffi.sm90_deterministic_query_tile(*dims)
-                if sm90 and half and call.deterministic else 0)
+  tile_rows = ffi.sm90_dq_tile_rows(*dims) if sm90 else 0
+  first_turn = ffi.sm90_deterministic_query_tile(*dims) if sm90 and call.deterministic else 0
   return BackwardPlan(on_xla=False, value_padding=padding, pack=pack, inner=inner,
                       dq_chains=chains, dq_tile_rows=tile_rows, first_turn_query_tile=first_turn)
+
+
+def _sm90_backward(q, v, masks: MaskOperands, call: KernelCall) -> tuple[bool, int]:
+  """(whether the Hopper backward kernels serve the call, V's zero padding).
+  What jax_flash_bwd_sm90_can_implement asks (bwd_sm90/launch.cc), the
+  variants from the library itself: V as it is where a variant of these
+  head dims exists (DeepSeek's 192 / 128), else as wide as K, as the sm80
+  kernels take it."""
+  head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+  padding = configs.BACKENDS[call.backend].value_padding(head_dim, head_dim_v)
+  if not (_hopper(call) and math.prod(q.shape[:-3]) <= configs.MAX_GRID_YZ
+          and v.shape[-2] <= configs.MAX_GRID_YZ):
+    return False, padding
+  has_variant = lambda dim_v: ffi.sm90_backward_has_variant(
+      np.dtype(q.dtype).name, head_dim, dim_v, call.deterministic, masks.has_segments,
+      call.softcap > 0)
+  if has_variant(head_dim_v):
+    return True, 0
+  return has_variant(head_dim_v + padding), padding

@@ -145,7 +145,7 @@ class AttentionTestBase(SinksSpec):  # attention sinks: tests/attention_sinks.py
   def test_smaller_value_head_dim(self, dtype, case):
     # DeepSeek's prefill shape, queries and keys 192 wide and values 128, has
     # kernels of its own on Hopper, but for the backward of deterministic
-    # packed documents (configs.sm90_backward_serves); elsewhere V is padded.
+    # packed documents (the library says: _plan._sm90_backward); elsewhere V is padded.
     kw = dict(head_dim=192, head_dim_v=128, dtype=dtype)
     if case in ("full", "causal"):
       self.check(seq_q=200, seq_k=333, causal=case == "causal", **kw)

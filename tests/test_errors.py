@@ -151,20 +151,53 @@ def test_gpu_value_head_dim():
   gpu = jax_flash._configs.GPU
   assert gpu.unsupported_reason(jnp.bfloat16, 192, 128) is None
   assert gpu.value_padding(192, 128) == 64 and gpu.value_padding(128, 128) == 0
-  # DeepSeek's 192 / 128 has Hopper kernels of its own; other pairs pad.
-  assert gpu.value_padding(192, 128, hopper_kernels=True) == 0
-  assert gpu.value_padding(256, 128, hopper_kernels=True) == 128
-  # The Hopper backward hands what it has no variant for to the sm80 kernels.
-  serves = functools.partial(jax_flash._configs.sm90_backward_serves, deterministic=False,
-                             has_segments=False, softcap=False, batch=2, heads_kv=8)
-  assert serves() and serves(deterministic=True) and serves(has_segments=True)
-  assert serves(softcap=True)
-  assert not serves(deterministic=True, has_segments=True)
-  assert not serves(softcap=True, deterministic=True) and not serves(softcap=True, has_segments=True)
-  assert not serves(batch=65536) and not serves(heads_kv=65536)
   assert jax_flash._configs.CPU.value_padding(192, 128) == 0
   reason = gpu.unsupported_reason(jnp.bfloat16, 128, 192)
   assert reason == "the gpu kernels need head_dim_v <= head_dim, got head_dim=128, head_dim_v=192"
+
+
+# The plans ask the compiled library which Hopper variants exist.
+needs_library = pytest.mark.skipif(not ffi.cuda_kernels_available(),
+                                   reason="this installation holds no CUDA kernels")
+
+
+@needs_library
+def test_hopper_variants_are_the_librarys():
+  """Which calls the Hopper kernels take, as the compiled library says
+  (kernel_api.h: the has_variant queries)."""
+  # DeepSeek's 192 / 128 has Hopper kernels of its own; other narrower V pad.
+  forward = functools.partial(ffi.sm90_forward_has_variant, "bfloat16")
+  assert forward(192, 128, False) and forward(192, 128, True) and not forward(256, 128, False)
+  # The Hopper backward hands what it has no variant for to the sm80 kernels.
+  backward = lambda dims=(128, 128), det=False, seg=False, cap=False: (
+      ffi.sm90_backward_has_variant("bfloat16", *dims, det, seg, cap))
+  assert backward() and backward(det=True) and backward(seg=True) and backward(cap=True)
+  assert backward((192, 128)) and not backward((256, 128))
+  assert not backward(det=True, seg=True)
+  assert not backward(cap=True, det=True) and not backward(cap=True, seg=True)
+  assert not ffi.sm90_backward_has_variant("float32", 128, 128, False, False, False)
+
+
+@needs_library
+def test_hopper_plans_take_narrow_values_unpadded(monkeypatch):
+  monkeypatch.setattr(ffi, "gpu_compute_capability", lambda: (9, 0))
+  q, v = jnp.zeros((2, 200, 4, 192), jnp.bfloat16), jnp.zeros((2, 80, 2, 128), jnp.bfloat16)
+  ids = jnp.zeros((2, 200), jnp.int32)
+  call = KernelCall(backend="gpu", scale=0.1)
+  padding = lambda call, ids=None, q=q: _backward_plan(q, v, ids, call).value_padding
+  assert padding(call) == 0
+  assert padding(call, ids) == 0
+  # Deterministic packed documents run on the sm80 backward, which takes V as wide as Q.
+  assert padding(dataclasses.replace(call, deterministic=True), ids) == 64
+  wide = jnp.zeros((2, 200, 4, 256), jnp.bfloat16)
+  assert padding(call, q=wide) == 128
+  assert _backward_plan(wide, v, None, call).dq_tile_rows == ffi.sm90_dq_tile_rows(256, 256)
+  k = jnp.zeros((2, 80, 2, 192), jnp.bfloat16)
+  lens = jnp.zeros((2,), jnp.int32)
+  forward = plan.plan_forward(q, k, v, _masks(lens, lens), call, sinks=False)
+  assert forward.value_padding == 0
+  monkeypatch.setattr(ffi, "gpu_compute_capability", lambda: (8, 0))
+  assert padding(call) == 64
 
 
 @pytest.mark.gpu
@@ -192,8 +225,10 @@ def _backward_plan(q, v, q_ids, call):
   return plan.plan_backward(q, k, v, _masks(lens, lens, q_ids), call)
 
 
+@needs_library
 def test_dq_chains_only_for_hopper_deterministic_kernels_without_a_mask(monkeypatch):
-  q, v = jnp.zeros((2, 200, 4, 192)), jnp.zeros((2, 80, 2, 128))
+  q = jnp.zeros((2, 200, 4, 192), jnp.bfloat16)
+  v = jnp.zeros((2, 80, 2, 128), jnp.bfloat16)
   ids = jnp.zeros((2, 200), jnp.int32)
   call = KernelCall(backend="gpu", scale=0.1, deterministic=True)
   chains = lambda call, ids=None: _backward_plan(q, v, ids, call).dq_chains
@@ -269,6 +304,7 @@ def test_dq_accum_in_tiles_only_for_the_hopper_kernels_that_take_it():
     _cpu_backward_in_tiles(64)
 
 
+@needs_library
 def test_dq_tile_rows_follow_the_library_where_hopper_kernels_serve(monkeypatch):
   q, v = jnp.zeros((2, 64, 4, 256), jnp.bfloat16), jnp.zeros((2, 64, 2, 256), jnp.bfloat16)
   ids = jnp.zeros((2, 64), jnp.int32)
