@@ -241,7 +241,7 @@ class AttentionTestBase(SinksSpec):  # attention sinks: tests/attention_sinks.py
     assert np.all(np.isneginf(lse[1])) and np.all(np.isneginf(lse[2]))
 
   def test_lengths_past_the_sequence_cover_it(self):
-    # The default lengths (api._whole_lengths) rely on this.
+    # The default lengths (_call.whole_lengths) rely on this.
     q, k, v, _ = numerics.random_qkv(0, 2, 113, 241, 4, 2, 64, self.dtypes[0])
     attend = functools.partial(jax_flash.attention, q, k, v, causal=True,
                                implementation=self.implementation)
