@@ -527,6 +527,26 @@ def test_value_transposed_renames_keys_within_slices():
   np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.skipif(not fp8_kernel._CUDA_REGISTERED, reason="no CUDA library with the FP8 kernel")
+def test_kernel_call_lowers_for_a_hopper_gpu(monkeypatch):
+  """Without a GPU: as lowered for one, a call the kernel serves is one
+  custom call on q, k, V transposed (keys padded to 32), the lengths and
+  the descales, with the mask as attributes; per-block descales are not."""
+  monkeypatch.setattr(fp8_kernel.ffi, "gpu_compute_capability", lambda: (9, 0))
+  codes, descales = quantized_qkv(5, 2, 100, 70, 4, 2, 256)
+  call = functools.partial(jax_flash.fp8_attention, window=(20, 3), implementation="gpu",
+                           output_dtype=jnp.float16)
+  lowered = jax.jit(call).trace(*codes, *descales).lower(lowering_platforms=("cuda",)).as_text()
+  (line,) = [l for l in lowered.splitlines() if "jax_flash_gpu_fp8_fwd_v1" in l]
+  assert "diag_offset = -30" in line and "window_left = 20" in line and "window_right = 3" in line
+  assert ("(tensor<2x100x4x256xf8E4M3FN>, tensor<2x70x2x256xf8E4M3FN>, tensor<2x2x256x96xf8E4M3FN>, "
+          "tensor<2xi32>, tensor<2xi32>, tensor<2x4xf32>, tensor<2x2xf32>, tensor<2x2xf32>) -> "
+          "(tensor<2x100x4x256xf16>, tensor<2x4x100xf32>)") in line
+  codes, descales = quantized_qkv(5, 2, 100, 70, 4, 2, 256, block_size=64)
+  with pytest.raises(NotImplementedError, match="one descale per"):
+    jax.jit(functools.partial(call, block_size=64)).trace(*codes, *descales)
+
+
 @pytest.mark.gpu
 def test_gpu_paged_flash_raises():
   inputs, _, _ = fp8_batch(7, [100, 7], [1, 2], page_size=16)
