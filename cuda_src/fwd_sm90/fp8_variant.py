@@ -20,7 +20,7 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from fp8_operands import store_p_fp8
+from fp8_operands import FP8, store_p_fp8
 from online_softmax import store_converted
 
 
@@ -43,6 +43,20 @@ class Fp8Variant:
         self._launch(mQ, mK, mVt, mO, mLSE, mQLens, mKVLens, scale, cutlass.Float32(0.0),
                      diag_offset, window_left, window_right, stream, None, None, None, None,
                      descales=(mQDescale, mKDescale, mVDescale))
+
+    @staticmethod
+    def _output_type(dtype, out_dtype, plain: bool):
+        """(whether the inputs are FP8, O's type) for FlashFwdSm90's
+        arguments; FP8 has the plain kernel only (plain: no segments,
+        multicast, pages, or CTAs sharing an SM)."""
+        fp8 = dtype is FP8
+        out_dtype = out_dtype or dtype
+        if fp8 != (out_dtype is not dtype) or out_dtype is FP8:
+            raise ValueError(f"FlashFwdSm90: out_dtype={out_dtype} with dtype={dtype}: FP8 inputs "
+                             "need a 16-bit out_dtype, 16-bit inputs write their own type")
+        if fp8 and not plain:
+            raise ValueError("FlashFwdSm90: the FP8 variant is the plain kernel only")
+        return fp8, out_dtype
 
     def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
         """The CTA's shared memory: barriers, Q, the K / V stages and, for

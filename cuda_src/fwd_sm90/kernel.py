@@ -75,9 +75,7 @@ PRODUCER_REGS = 24
 SMEM_PER_SM = 228 * 1024  # of which each resident CTA reserves 1 KiB
 
 class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant):
-    """Forward attention for one dtype and (head_dim, head_dim_v) pair;
-    with dtype Float8E4M3FN Q / K / V are e4m3 and O is out_dtype
-    (fp8_variant.py)."""
+    """Forward attention for one dtype (FP8: fp8_variant.py) and (head_dim, head_dim_v) pair."""
 
     def __init__(
         self,
@@ -105,13 +103,8 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant):
                 f", or Float8E4M3FN and one of {sorted(FP8_TILE_CONFIG)}"
             )
         self.dtype = dtype
-        self.fp8 = dtype is FP8
-        self.out_dtype = out_dtype or dtype
-        if self.fp8 != (self.out_dtype is not dtype) or self.out_dtype is FP8:
-            raise ValueError(f"FlashFwdSm90: out_dtype={out_dtype} with dtype={dtype}: FP8 inputs "
-                             "need a 16-bit out_dtype, 16-bit inputs write their own type")
-        if self.fp8 and (has_segments or kv_multicast or paged_kv or ctas_per_sm != 1):
-            raise ValueError("FlashFwdSm90: the FP8 variant is the plain kernel only")
+        self.fp8, self.out_dtype = self._output_type(
+            dtype, out_dtype, plain=not (has_segments or kv_multicast or paged_kv or ctas_per_sm != 1))
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
         tiles = FP8_TILE_CONFIG if self.fp8 else TILE_CONFIG
