@@ -568,8 +568,9 @@ def test_benchmark_scripts_run_on_cpu(tmp_path):
   assert bench_mla.main(["--cpu-sizes", "--seqs", "70", "--s-qs", "2", "--out", str(out)]) == 0
   rows = json.loads(out.read_text())["rows"]
   assert {(r["impl"], r["variant"], r["kv_dtype"]) for r in rows} == {
-      ("jax_flash", "xla", "bfloat16"), ("xla", "gather", "bfloat16"),
-      ("xla", "contiguous", "bfloat16"), ("jax_flash", "xla", "float8_e4m3fn"),
+      ("jax_flash", "flash", "bfloat16"), ("jax_flash", "xla", "bfloat16"),
+      ("xla", "gather", "bfloat16"), ("xla", "contiguous", "bfloat16"),
+      ("jax_flash", "flash", "float8_e4m3fn"), ("jax_flash", "xla", "float8_e4m3fn"),
       ("xla", "gather", "float8_e4m3fn")}
   assert all(r["op"] == "mla_decode" and r["seq_k"] == 70 and r["tflops"] > 0 for r in rows)
   out = tmp_path / "accuracy.json"
