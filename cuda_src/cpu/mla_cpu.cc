@@ -40,7 +40,7 @@ constexpr int kPage = 64;  // keys per page, and per key tile
 constexpr int kLatent = 512;
 constexpr int kRope = 64;
 constexpr int kWidth = kLatent + kRope;
-constexpr int kRowsPerTask = 16;
+constexpr int kRowsPerTask = 64;
 constexpr float kFp8Max = 448.0f;
 
 // ---- float8_e4m3fn ---------------------------------------------------------------
@@ -126,14 +126,15 @@ struct RowBlock {
         keys(live > 0 ? std::max<int64_t>(seq.span(r0 + live - 1).hi, 0) : 0) {}
 };
 
-// ---- the bfloat16 / float16 cache --------------------------------------------------
-
+// The keys of a block's row r (ForwardRows::attend's Keys): no documents.
 struct RowsOf {
   const MlaSequence& seq;
   int64_t r0;
   KeySpan span(int r) const { return seq.span(r0 + r); }
   bool same_document(int, int) const { return true; }
 };
+
+// ---- the bfloat16 / float16 cache --------------------------------------------------
 
 template <class Codec, class IsaT>
 JF_ALWAYS_INLINE void attend_rows(const JfMlaDecodeArgs& args, const Geometry& g, int64_t b,
