@@ -20,7 +20,6 @@ communication (``sharding.paged_partitioned``).
 
 import functools
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -160,7 +160,8 @@ JF_ALWAYS_INLINE void attend_rows(const JfMlaDecodeArgs& args, const Geometry& g
     } else {
       const T* page = cache + row * kWidth;
       for (int c = 0; c < cols; ++c) {
-        for (int d = 0; d < kWidth; ++d) t.kt_tile[d * kPage + c] = Codec::load(page[c * kWidth + d]);
+        const T* key = page + c * kWidth;
+        for (int d = 0; d < kWidth; ++d) t.kt_tile[d * kPage + c] = Codec::load(key[d]);
       }
       load_tile<Codec>(page, kWidth, cols, cols, kLatent, t.ld_v, t.v_tile);
     }
@@ -220,7 +221,8 @@ struct Fp8Rows {
     tile_product<IsaT>(q_codes, kLatent, 1, kt_codes, kPage, kLatent, scores, kPage, live_rows,
                        kPage, 1.0f, Store::kSet);
     for (int r = 0; r < live_rows; ++r) {
-      for (int j = 0; j < kPage; ++j) scores[r * kPage + j] = scores[r * kPage + j] * q_scale[r] * k_scale[j];
+      float* s = scores + r * kPage;
+      for (int j = 0; j < kPage; ++j) s[j] = s[j] * q_scale[r] * k_scale[j];
     }
     tile_product<IsaT>(q_rope, kRope, 1, kt_rope, kPage, kRope, scores, kPage, live_rows, kPage,
                        1.0f, Store::kAdd);
@@ -267,8 +269,9 @@ JF_ALWAYS_INLINE void attend_fp8_rows(const JfMlaFp8DecodeArgs& args, int64_t b,
   std::fill_n(t.o_acc, kRowsPerTask * kLatent, 0.0f);
   std::fill_n(t.q_scale, kRowsPerTask, 0.0f);
   for (int r = 0; r < block.live && block.keys > 0; ++r) {
-    for (int d = 0; d < kLatent; ++d) t.q_codes[r * kLatent + d] = bf16_to_float(q[r * kWidth + d]);
-    for (int d = 0; d < kRope; ++d) t.q_rope[r * kRope + d] = bf16_to_float(q[r * kWidth + kLatent + d]);
+    const uint16_t* row = q + r * kWidth;
+    for (int d = 0; d < kLatent; ++d) t.q_codes[r * kLatent + d] = bf16_to_float(row[d]);
+    for (int d = 0; d < kRope; ++d) t.q_rope[r * kRope + d] = bf16_to_float(row[kLatent + d]);
     t.q_scale[r] = quantize_row(t.q_codes + r * kLatent, kLatent);
   }
   const RowsOf keys{seq, r0};
@@ -368,9 +371,12 @@ int check(const JfMlaDecodeArgs* args, const char* entry, char* err, size_t err_
     const char* name;
     const void* ptr;
     bool empty;
-  } operands[] = {{"q", args->q, no_rows},           {"cache", args->cache, false},
-                  {"page_table", args->page_table, no_rows}, {"q_lens", args->q_lens, no_rows},
-                  {"kv_lens", args->kv_lens, no_rows}, {"o", args->o, no_rows},
+  } operands[] = {{"q", args->q, no_rows},
+                  {"cache", args->cache, false},
+                  {"page_table", args->page_table, no_rows},
+                  {"q_lens", args->q_lens, no_rows},
+                  {"kv_lens", args->kv_lens, no_rows},
+                  {"o", args->o, no_rows},
                   {"lse", args->lse, no_rows}};
   for (const auto& op : operands) {
     if (op.ptr == nullptr && !op.empty) return fail(err, err_len, entry, "%s is null", op.name);
