@@ -11,7 +11,7 @@ import pytest
 
 import jax_flash
 from jax_flash import _mla as mla
-from test_mla import SCALE, MlaKernelChecks, make_batch, run
+from test_mla import SCALE, MlaKernelChecks, assert_matches, make_batch, run
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute")
 
@@ -37,6 +37,30 @@ class TestMlaCpu(MlaKernelChecks):
         **inputs).as_text()
     for got, want in zip(run(inputs, implementation=None), self.run(inputs)):
       np.testing.assert_array_equal(got, want)
+
+
+  def test_page_ids_outside_the_pool_read_zeros(self, dtype):
+    """Inside jit (no concrete check) a page id outside the pool, negative
+    or past its end, reads as a page of zeros, as in the composition."""
+    inputs, _ = self.batch(19, [200, 90], [2, 1], dtype, spare_pages=1)
+    table = np.asarray(inputs["page_table"])
+    spare = sorted(set(range(len(jax.tree.leaves(inputs["cache"])[0]))) - set(table.ravel()))[0]
+    cache = jax.tree.map(lambda x: x.at[spare].set(0), inputs["cache"])
+    zeros = dict(inputs, cache=cache, page_table=jnp.asarray(table).at[0, 1].set(spare)
+                 .at[1, 0].set(spare))
+    outside = dict(zeros, page_table=jnp.asarray(table).at[0, 1].set(-7).at[1, 0].set(10 ** 6))
+    for got, want in zip(self.run(outside), self.run(zeros)):
+      np.testing.assert_array_equal(got, want)
+
+  @pytest.mark.slow
+  def test_sweep(self, dtype):
+    rng = np.random.default_rng(1)
+    for heads in (16, 64, 128):
+      for s_q in (1, 2):
+        lengths = [int(n) for n in rng.integers(1, 5000, 3)] + [4097]
+        new = [int(rng.integers(1, s_q + 1)) for _ in lengths]
+        inputs, rows = self.batch(heads + s_q, lengths, new, dtype, heads=heads)
+        assert_matches(self.run(inputs), inputs, rows, f"heads {heads} {lengths} {new}")
 
 
 def test_export_holds_the_kernel_of_each_platform():
