@@ -38,7 +38,6 @@ class TestMlaCpu(MlaKernelChecks):
     for got, want in zip(run(inputs, implementation=None), self.run(inputs)):
       np.testing.assert_array_equal(got, want)
 
-
   def test_page_ids_outside_the_pool_read_zeros(self, dtype):
     """Inside jit (no concrete check) a page id outside the pool, negative
     or past its end, reads as a page of zeros, as in the composition."""
