@@ -3,9 +3,10 @@ RoPE-aware per-token format): the maths against float64 references in
 numpy, the FP8 scheme's pieces, page placement, poisoned unused slots, batch
 invariance, tensor-parallel heads, the cache writes and the errors.
 
-The module-level checks run the XLA composition; TestMlaGpu runs the
-Hopper kernel (bfloat16 / float16 cache) through the same helpers with
-implementation="flash" (skipped without a Hopper GPU)."""
+The module-level checks run the XLA composition; MlaKernelChecks, the
+kernels' checks through the same helpers with implementation="flash", run on
+the Hopper kernel (TestMlaGpu, bfloat16 / float16 cache; skipped without a
+Hopper GPU) and on the CPU kernel (test_mla_cpu.py, both formats)."""
 
 import functools
 import json
@@ -404,12 +405,17 @@ def test_sinks():
 
 
 def test_sinks_join_the_fp8_cache_after_the_merge():
-  """The FP8 cache's result with sinks is its result without them, each row
-  renormalised by the sink (jax_flash/_sinks.py), computed here in float64."""
   inputs, _ = make_batch(32, *BATCHES[1], fp8=True)
-  sinks = sink_values(16, 32)
-  out, lse = run(inputs)
-  got_out, got_lse = run(dict(inputs, sinks=sinks))
+  assert_sinks_join_after_the_merge(run, dict(inputs, sinks=sink_values(16, 32)))
+
+
+def assert_sinks_join_after_the_merge(attend, inputs):
+  """The result with sinks is the result without them, each row
+  renormalised by the sink (jax_flash/_sinks.py), computed here in float64:
+  the FP8 cache's sinks."""
+  sinks = inputs.pop("sinks")
+  out, lse = attend(inputs)
+  got_out, got_lse = attend(dict(inputs, sinks=sinks))
   sink = np.asarray(sinks, np.float64)[None, :, None]
   want_lse = np.where(lse == -np.inf, sink, np.logaddexp(lse, sink))
   with np.errstate(invalid="ignore"):  # rows without keys and without a sink: -inf - -inf
@@ -500,39 +506,6 @@ def test_tensor_parallel_heads(fp8, axes):
               if c in text]
 
 
-def test_kernel_declines_heads_sharded_over_explicit_axes():
-  """The kernel has no partitioning rule: q sharded over an Explicit mesh
-  axis runs the composition (test_tensor_parallel_heads), and "flash"
-  says why."""
-  from jax.sharding import AxisType, NamedSharding
-  from jax.sharding import PartitionSpec as P
-  if len(jax.devices()) < 2:
-    pytest.skip(f"needs 2 devices, {jax.default_backend()} has {len(jax.devices())}")
-  inputs, _ = make_batch(14, [300], [1], heads=16)
-  mesh = jax.make_mesh((2,), ("tp",), axis_types=(AxisType.Explicit,))
-  q = jax.device_put(inputs["q"], NamedSharding(mesh, P(None, None, "tp")))
-  assert "no partitioning rule" in mla._kernel_unavailable_reason(q, inputs["cache"])
-  auto = jax.make_mesh((2,), ("tp",), axis_types=(AxisType.Auto,))
-  assert not mla._sharded_over_explicit_axes(
-      jax.device_put(inputs["q"], NamedSharding(auto, P(None, None, "tp"))))
-
-
-def test_implementation_flash_names_what_is_missing():
-  inputs, _ = make_batch(15, [40], [1], fp8=True)
-  with pytest.raises(NotImplementedError, match=r"implementation='flash': jax_flash has no "
-                                                r"MLA decode kernel for the FP8 latent cache"):
-    jax_flash.mla_decode(**inputs, scale=SCALE, implementation="flash")
-  if jax.default_backend() == "cpu":
-    bf16_inputs, _ = make_batch(15, [40], [1])
-    with pytest.raises(NotImplementedError, match=r"implementation='flash': jax_flash's MLA "
-                                                  r"decode kernel runs on Hopper GPUs, not on "
-                                                  r"platform 'cpu'"):
-      jax_flash.mla_decode(**bf16_inputs, scale=SCALE, implementation="flash")
-  # The default runs the composition.
-  for got, want in zip(run(inputs, implementation=None), run(inputs)):
-    np.testing.assert_array_equal(got, want)
-
-
 def test_errors():
   inputs, _ = make_batch(16, [20, 3], [1, 1])
   fp8_inputs, _ = make_batch(16, [20, 3], [1, 1], fp8=True)
@@ -595,8 +568,9 @@ def test_benchmark_scripts_run_on_cpu(tmp_path):
   assert bench_mla.main(["--cpu-sizes", "--seqs", "70", "--s-qs", "2", "--out", str(out)]) == 0
   rows = json.loads(out.read_text())["rows"]
   assert {(r["impl"], r["variant"], r["kv_dtype"]) for r in rows} == {
-      ("jax_flash", "xla", "bfloat16"), ("xla", "gather", "bfloat16"),
-      ("xla", "contiguous", "bfloat16"), ("jax_flash", "xla", "float8_e4m3fn"),
+      ("jax_flash", "flash", "bfloat16"), ("jax_flash", "xla", "bfloat16"),
+      ("xla", "gather", "bfloat16"), ("xla", "contiguous", "bfloat16"),
+      ("jax_flash", "flash", "float8_e4m3fn"), ("jax_flash", "xla", "float8_e4m3fn"),
       ("xla", "gather", "float8_e4m3fn")}
   assert all(r["op"] == "mla_decode" and r["seq_k"] == 70 and r["tflops"] > 0 for r in rows)
   out = tmp_path / "accuracy.json"
@@ -608,52 +582,66 @@ def test_benchmark_scripts_run_on_cpu(tmp_path):
           < rows["fp8_naive_dequantized"]["out_max_error"] / 2)
 
 
-@pytest.mark.gpu
-class TestMlaGpu:
-  """The Hopper kernel on the module's checks, with implementation="flash"."""
-  # conftest.py parametrises the tests' dtype from these.
+class MlaKernelChecks:
+  """What jax_flash's MLA kernels satisfy (implementation="flash"): TestMlaGpu
+  runs them on the Hopper kernel, test_mla_cpu.TestMlaCpu on the CPU kernel.
+  conftest.py parametrises the tests' dtype from ``dtypes``, the cache
+  formats (float8_e4m3fn: the MlaFp8Cache, bfloat16 queries)."""
   dtypes = (jnp.bfloat16, jnp.float16)
+
+  def run(self, inputs, **kwargs):
+    return run(inputs, implementation="flash", **kwargs)
+
+  @staticmethod
+  def batch(seed, lengths, new, dtype, **kwargs):
+    fp8 = jnp.dtype(dtype) == mla_fp8.FP8_DTYPE
+    return make_batch(seed, lengths, new, fp8=fp8, dtype=jnp.bfloat16 if fp8 else dtype,
+                      **kwargs)
 
   def test_matches_float64(self, dtype):
     for lengths, new in BATCHES:
-      inputs, rows = make_batch(len(lengths), lengths, new, dtype=dtype)
-      assert_matches(run(inputs, implementation="flash"), inputs, rows, f"{lengths} {new}")
+      inputs, rows = self.batch(len(lengths), lengths, new, dtype)
+      assert_matches(self.run(inputs), inputs, rows, f"{lengths} {new}")
 
-  @pytest.mark.parametrize("heads", [16, 64, 128])
-  @pytest.mark.parametrize("s_q", [1, 2])
-  def test_heads_and_speculative_rows(self, heads, s_q):
-    # 4097 keys: splits of 1024 or 2048 keys, the last of one key.
+  @pytest.mark.parametrize("heads, s_q", [
+      (16, 1), (16, 2), (128, 2), pytest.param(64, 1, marks=pytest.mark.slow),
+      pytest.param(64, 2, marks=pytest.mark.slow), pytest.param(128, 1, marks=pytest.mark.slow)])
+  def test_heads_and_speculative_rows(self, dtype, heads, s_q):
+    # 4097 keys: the GPU's splits of 1024 or 2048 keys, the last of one key.
     lengths = [4097, 1000, 17, 1]
     new = [s_q, 1, s_q, 1]
-    inputs, rows = make_batch(heads + s_q, lengths, new, heads=heads)
-    assert_matches(run(inputs, implementation="flash"), inputs, rows, f"heads {heads} s_q {s_q}")
+    inputs, rows = self.batch(heads + s_q, lengths, new, dtype, heads=heads)
+    assert_matches(self.run(inputs), inputs, rows, f"heads {heads} s_q {s_q}")
 
-  def test_batch_invariant(self):
+  def test_batch_invariant(self, dtype):
     """A sequence's rows bitwise: alone and in another slot of a larger
     batch, its pages elsewhere in a larger pool, beside longer sequences
     (more splits) and another table width."""
-    batch = make_batch(9, [70, 9000, 3000, 1], [1, 2, 2, 1], spare_pages=20, heads=128)[0]
-    alone = make_batch(8, [3000], [2], heads=128)[0]
-    got_alone = run(alone, implementation="flash")
-    got_mixed = run(place_sequence(batch, 2, alone), implementation="flash")
+    batch = self.batch(9, [70, 9000, 3000, 1], [1, 2, 2, 1], dtype, spare_pages=20,
+                       heads=128)[0]
+    alone = self.batch(8, [3000], [2], dtype, heads=128)[0]
+    got_alone = self.run(alone)
+    got_mixed = self.run(place_sequence(batch, 2, alone))
     np.testing.assert_array_equal(got_mixed[0][2], got_alone[0][0])
     np.testing.assert_array_equal(got_mixed[1][2], got_alone[1][0])
 
-  def test_unseen_positions_never_reach_results(self):
-    inputs, _ = make_batch(12, [1000, 300, 5, 4097], [2, 1, 0, 2])
+  def test_unseen_positions_never_reach_results(self, dtype):
+    inputs, _ = self.batch(12, [1000, 300, 5, 4097], [2, 1, 0, 2], dtype)
     clean = dict(inputs, q=finite_or_zero(inputs["q"]), cache=finite_or_zero(inputs["cache"]))
-    got, want = run(inputs, implementation="flash"), run(clean, implementation="flash")
+    got, want = self.run(inputs), self.run(clean)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
     assert np.isfinite(got[0]).all()
 
-  def test_visible_nan_reaches_exactly_the_rows_that_see_it(self):
-    inputs, _ = make_batch(21, [1000, 90], [2, 1])
+  def test_visible_nan_reaches_exactly_the_rows_that_see_it(self, dtype):
+    inputs, _ = self.batch(21, [1000, 90], [2, 1], dtype)
     page, row = int(inputs["page_table"][0, 999 // PAGE]), 999 % PAGE
-    poisoned = inputs["cache"].at[page, row, 5].set(jnp.nan)
-    clean_out, clean_lse = run(inputs, implementation="flash")
-    out, lse = run(dict(inputs, cache=poisoned), implementation="flash")
-    # The value column 5 of the row that sees it, and its logits: all NaN.
+    cache = inputs["cache"]
+    poisoned = (cache._replace(scales=cache.scales.at[page, row].set(jnp.nan))
+                if isinstance(cache, mla.MlaFp8Cache) else cache.at[page, row, 5].set(jnp.nan))
+    clean_out, clean_lse = self.run(inputs)
+    out, lse = self.run(dict(inputs, cache=poisoned))
+    # The row that sees token 999 (the first is token 998), every head: all NaN.
     assert np.isnan(out[0, 1]).all() and np.isnan(lse[0, :, 1]).all()
     out[0, 1], lse[0, :, 1] = clean_out[0, 1], clean_lse[0, :, 1]
     np.testing.assert_array_equal(out, clean_out)
@@ -661,20 +649,28 @@ class TestMlaGpu:
 
   def test_sinks(self, dtype):
     for lengths, new in BATCHES:
-      inputs, rows = make_batch(33, lengths, new, dtype=dtype)
+      inputs, rows = self.batch(33, lengths, new, dtype)
       inputs["sinks"] = sink_values(16, 33)
-      assert_matches(run(inputs, implementation="flash"), inputs, rows, f"sinks {lengths} {new}")
+      if isinstance(inputs["cache"], mla.MlaFp8Cache):  # the sinks join after the kernel
+        assert_sinks_join_after_the_merge(self.run, inputs)
+      else:
+        assert_matches(self.run(inputs), inputs, rows, f"sinks {lengths} {new}")
 
-  def test_rows_without_keys(self):
-    inputs, _ = make_batch(13, [0, 50], [0, 1], heads=16, spare_pages=1)
+  def test_rows_without_keys(self, dtype):
+    inputs, _ = self.batch(13, [0, 50], [0, 1], dtype, heads=16, spare_pages=1)
     inputs["query_lengths"] = jnp.asarray([0, 1], jnp.int32)
-    inputs["q"] = jnp.ones((2, 2, 16, WIDTH), jnp.bfloat16)
-    out, lse = run(inputs, implementation="flash")
+    inputs["q"] = jnp.ones((2, 2, 16, WIDTH), inputs["q"].dtype)
+    out, lse = self.run(inputs)
     assert np.all(out[0] == 0) and np.all(lse[0] == -np.inf)
     assert np.all(out[1, 1] == 0) and np.all(lse[1, :, 1] == -np.inf)
     assert np.isfinite(out[1, 0]).all()
 
+
+@pytest.mark.gpu
+class TestMlaGpu(MlaKernelChecks):
+  """The Hopper kernel (bfloat16 / float16 cache)."""
+
   def test_fp8_cache_names_what_is_missing(self):
     inputs, _ = make_batch(15, [40], [1], fp8=True)
-    with pytest.raises(NotImplementedError, match="no MLA decode kernel for the FP8"):
+    with pytest.raises(NotImplementedError, match="no GPU MLA decode kernel for the FP8"):
       jax_flash.mla_decode(**inputs, scale=SCALE, implementation="flash")

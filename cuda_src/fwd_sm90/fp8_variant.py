@@ -20,8 +20,8 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from fp8_operands import FP8, store_p_fp8
-from online_softmax import store_converted
+from .fp8_operands import FP8, store_p_fp8
+from .online_softmax import store_converted
 
 
 class Fp8Variant:

@@ -1,6 +1,6 @@
 """Ahead-of-time export of the MLA decode kernel (kernel.py) to C objects.
 
-    python cuda_src/mla_sm90/export.py --arch sm_90a --out DIR
+    python -m cuda_src.mla_sm90.export --arch sm_90a --out DIR
 
 writes DIR/jf_mla90_<arch>_<dtype>.{o,h} for bfloat16 and float16 and
 DIR/mla_sm90_variants_<arch>.h, which includes them and defines
@@ -12,12 +12,8 @@ columns is a runtime value of the exported wrapper.
 """
 
 import pathlib
-import sys
 
-# Run as a script: make cuda_src (common/, fwd_sm90/) importable here and in kernel.py.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from common.export_common import (  # noqa: E402
+from ..common.export_common import (
     ROW_MAJOR_3D, SCALAR_ALIGN, VECTOR_ALIGN, export_variants, parse_export_args,
     write_variants_header,
 )
@@ -37,7 +33,7 @@ def _fake_args(dtype):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor
 
-    from kernel import HEAD_DIM, LATENT, PAGE
+    from .kernel import HEAD_DIM, LATENT, PAGE
 
     batch, rows, pages, outputs = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     tensor = lambda dt, shape, order, align: make_fake_compact_tensor(
@@ -56,7 +52,7 @@ def main():
     args = parse_export_args(__doc__.splitlines()[0], ARCHES, "comma list of variant names")
     import cutlass
     import cutlass.cute as cute
-    from kernel import MlaDecodeSm90
+    from .kernel import MlaDecodeSm90
 
     only = set(filter(None, args.only.split(",")))
     variants, built = [], []

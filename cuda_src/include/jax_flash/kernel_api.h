@@ -237,6 +237,18 @@ typedef struct JfFp8FwdArgs {
   const float* v_descale;
 } JfFp8FwdArgs;
 
+// MLA decoding against the FP8 latent cache (jax_flash.MlaFp8Cache): mla.cache
+// holds the latent codes [num_pages, 64, 512] float8_e4m3fn, beside each
+// token's float32 scale and its 64 RoPE columns in bfloat16; q is bfloat16 and
+// quantised per token and head like the cache's tokens (docs/mla.md: the
+// logits from the FP8 latent product with both scales plus the RoPE product, P
+// requantised to e4m3 per query row and page before P V).
+typedef struct JfMlaFp8DecodeArgs {
+  JfMlaDecodeArgs mla;
+  const float* scales;  // [num_pages, 64]
+  const void* rope;     // [num_pages, 64, 64] bfloat16
+} JfMlaFp8DecodeArgs;
+
 // Return 0 on success. On failure return non-zero and write a NUL-terminated
 // message of at most err_len bytes into err. GPU entry points enqueue work on
 // `stream` (a cudaStream_t) and never synchronise the host or allocate.
@@ -293,6 +305,10 @@ int jax_flash_fwd_sm90_fp8_has_variant(int32_t out_dtype, int32_t head_dim, int3
 int jax_flash_fwd_sm90_fp8_can_implement(const JfFp8FwdArgs* args);
 int jax_flash_fwd_sm90_fp8(const JfFp8FwdArgs* args, void* stream, char* err, size_t err_len);
 
+// MLA decoding on the CPU, each sequence as one split (split_pages must equal
+// max_pages), in both cache formats.
+int jax_flash_mla_decode_cpu(const JfMlaDecodeArgs* args, char* err, size_t err_len);
+int jax_flash_mla_fp8_decode_cpu(const JfMlaFp8DecodeArgs* args, char* err, size_t err_len);
 // MLA decoding on Hopper: 1 when the current device and the arguments are served.
 int jax_flash_mla_sm90_can_implement(const JfMlaDecodeArgs* args);
 int jax_flash_mla_sm90(const JfMlaDecodeArgs* args, void* stream, char* err, size_t err_len);

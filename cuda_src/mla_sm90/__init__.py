@@ -1,0 +1,1 @@
+"""The Hopper (sm_90a) MLA decoding kernel and its export."""
