@@ -141,11 +141,11 @@ ffi::Error MlaFp8Decode(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer latent
   return launch(args);
 }
 
+// The operands after the cache's, the results and the attributes: the same
+// for both cache formats.
 template <typename Binding>
-auto BindMlaDecode(Binding&& binding) {
+auto BindMlaTablesAndResults(Binding&& binding) {
   return std::forward<Binding>(binding)
-      .template Arg<ffi::AnyBuffer>()  // q
-      .template Arg<ffi::AnyBuffer>()  // cache
       .template Arg<ffi::AnyBuffer>()  // page_table
       .template Arg<ffi::AnyBuffer>()  // q_lens
       .template Arg<ffi::AnyBuffer>()  // kv_lens
@@ -156,19 +156,19 @@ auto BindMlaDecode(Binding&& binding) {
 }
 
 template <typename Binding>
+auto BindMlaDecode(Binding&& binding) {
+  return BindMlaTablesAndResults(std::forward<Binding>(binding)
+      .template Arg<ffi::AnyBuffer>()    // q
+      .template Arg<ffi::AnyBuffer>());  // cache
+}
+
+template <typename Binding>
 auto BindMlaFp8Decode(Binding&& binding) {
-  return std::forward<Binding>(binding)
-      .template Arg<ffi::AnyBuffer>()  // q
-      .template Arg<ffi::AnyBuffer>()  // latent
-      .template Arg<ffi::AnyBuffer>()  // scales
-      .template Arg<ffi::AnyBuffer>()  // rope
-      .template Arg<ffi::AnyBuffer>()  // page_table
-      .template Arg<ffi::AnyBuffer>()  // q_lens
-      .template Arg<ffi::AnyBuffer>()  // kv_lens
-      .template Ret<ffi::AnyBuffer>()  // o
-      .template Ret<ffi::AnyBuffer>()  // lse
-      .template Attr<float>("scale")
-      .template Attr<int32_t>("split_pages");
+  return BindMlaTablesAndResults(std::forward<Binding>(binding)
+      .template Arg<ffi::AnyBuffer>()    // q
+      .template Arg<ffi::AnyBuffer>()    // latent
+      .template Arg<ffi::AnyBuffer>()    // scales
+      .template Arg<ffi::AnyBuffer>());  // rope
 }
 
 }  // namespace jax_flash
