@@ -4,7 +4,7 @@ fp8_variant.py; docs/fp8.md, "The Hopper kernel").
 FP8 WGMMA reads V with the keys contiguous, so each call first writes V
 transposed, ``[batch, heads_kv, head_dim_v, keys]`` (one XLA pass over V),
 with the keys of every 32-key slice in the order the kernel's P registers
-hold them (``KEY_ORDER``) and zeros past each sequence's key length (the
+hold them (``key_slot``) and zeros past each sequence's key length (the
 kernel has no V checks of its own: a zero there keeps masked NaN codes
 from reaching any row).
 """
@@ -28,9 +28,6 @@ def key_slot(c: int) -> int:
   j, q, e = c // 8, (c % 8) // 2, c % 2
   return 16 * (j // 2) + 4 * q + 2 * (j % 2) + e
 
-
-# KEY_ORDER[s]: the key that column s of a slice holds.
-KEY_ORDER = np.argsort([key_slot(c) for c in range(KEY_SLICE)])
 
 
 def _register_cuda() -> bool:
@@ -70,14 +67,18 @@ def unavailable_reason(output_dtype, head_dim: int, head_dim_v: int, seq_k: int,
 def value_transposed(v, kv_lens):
   """V [batch, seq_k, heads_kv, head_dim_v] e4m3 as the kernel reads it:
   ``[batch, heads_kv, head_dim_v, keys]``, keys rounded up to a multiple
-  of 32, each slice in KEY_ORDER, zeros from kv_lens[b] on."""
+  of 32, key c of each slice at key_slot(c), zeros from kv_lens[b] on.
+
+  With c = 16 j1 + 8 j0 + 2 q + e, key_slot(c) = 16 j1 + 4 q + 2 j0 + e:
+  the renaming swaps the j0 and q axes, so the whole layout is one
+  transpose, with no gather along the keys."""
   batch, seq_k, heads_kv, head_dim_v = v.shape
   keys = max(-(-seq_k // KEY_SLICE), 1) * KEY_SLICE
   seen = jnp.arange(seq_k)[None, :] < kv_lens[:, None]
   v = jnp.where(seen[:, :, None, None], v, jnp.zeros((), v.dtype))
   v = jnp.pad(v, [(0, 0), (0, keys - seq_k), (0, 0), (0, 0)])
-  v = v.reshape(batch, keys // KEY_SLICE, KEY_SLICE, heads_kv, head_dim_v)[:, :, KEY_ORDER]
-  return jnp.transpose(v, (0, 3, 4, 1, 2)).reshape(batch, heads_kv, head_dim_v, keys)
+  v = v.reshape(batch, keys // KEY_SLICE, 2, 2, 4, 2, heads_kv, head_dim_v)  # b s j1 j0 q e h d
+  return jnp.transpose(v, (0, 6, 7, 1, 2, 4, 3, 5)).reshape(batch, heads_kv, head_dim_v, keys)
 
 
 def fp8_forward(q, k, v, q_descale, k_descale, v_descale, q_lens, kv_lens, *, scale: float,
