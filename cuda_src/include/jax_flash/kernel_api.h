@@ -254,9 +254,43 @@ int jax_flash_fwd_sm80_paged_can_implement(const JfPagedFwdArgs* args);
 int jax_flash_fwd_sm80_paged(const JfPagedFwdArgs* args, void* stream, char* err,
                              size_t err_len);
 
+// MLA decoding against the FP8 latent cache (docs/mla.md, "The FP8 cache"),
+// the queries quantised per row by the caller as the cache's tokens are:
+//   q_codes  [batch, rows, 512] float8_e4m3fn, q_scales [batch, rows] float32,
+//   q_rope   [batch, rows, 64] bfloat16
+//   latent   [num_pages, 64, 512] float8_e4m3fn, scales [num_pages, 64]
+//            float32, rope [num_pages, 64, 64] bfloat16
+//   o        [batch * splits, rows, 512] bfloat16, lse as JfMlaDecodeArgs
+// and everything else as JfMlaDecodeArgs. Pointers 16-byte aligned except
+// q_scales, the lengths, the table and lse (4).
+typedef struct JfMlaFp8DecodeArgs {
+  int32_t batch;
+  int32_t rows;
+  int32_t heads;
+  int32_t num_pages;
+  int32_t max_pages;
+  int32_t split_pages;
+  float scale;
+  const void* q_codes;
+  const float* q_scales;
+  const void* q_rope;
+  const void* latent;
+  const float* scales;
+  const void* rope;
+  const int32_t* page_table;
+  const int32_t* q_lens;
+  const int32_t* kv_lens;
+  void* o;
+  float* lse;
+} JfMlaFp8DecodeArgs;
+
 // MLA decoding on Hopper: 1 when the current device and the arguments are served.
 int jax_flash_mla_sm90_can_implement(const JfMlaDecodeArgs* args);
 int jax_flash_mla_sm90(const JfMlaDecodeArgs* args, void* stream, char* err, size_t err_len);
+// 1 when this build holds the FP8-cache kernel (Python asks it while tracing).
+int jax_flash_mla_sm90_fp8_available(void);
+int jax_flash_mla_sm90_fp8(const JfMlaFp8DecodeArgs* args, void* stream, char* err,
+                           size_t err_len);
 
 #ifdef __cplusplus
 }
