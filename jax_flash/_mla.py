@@ -8,11 +8,13 @@ the queries, decoding is multi-query attention with head dim 576 for
 ``jax_flash.paged_attention`` (its page table, lengths and causal rule),
 in pages of 64 tokens.
 
-On Hopper GPUs the bfloat16 / float16 cache runs jax_flash's kernel
-(``cuda_src/mla_sm90``): the keys of each sequence cut into splits of a
-fixed number of keys, one CTA per 64 packed query rows (s_q x heads) and
-split, the splits merged by ``paged.merge_splits``. Every other call (the
-FP8 cache, CPUs, other GPUs) runs the XLA composition (``mla_reference``).
+On Hopper GPUs both cache formats run jax_flash's kernels
+(``cuda_src/mla_sm90``: kernel.py for bfloat16 / float16, kernel_fp8.py for
+FP8, its queries quantised here first, as ``mla_fp8.fp8_reference`` does):
+the keys of each sequence cut into splits of a fixed number of keys, one
+CTA per 64 packed query rows (s_q x heads) and split, the splits merged by
+``paged.merge_splits``. Every other call (CPUs, other GPUs) runs the XLA
+composition (``mla_reference``).
 """
 
 
@@ -35,6 +37,7 @@ __all__ = ["MlaFp8Cache", "empty_mla_cache", "mla_decode", "mla_reference", "qua
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MLA_TARGET = "jax_flash_gpu_mla_decode_v1"
+_MLA_FP8_TARGET = "jax_flash_gpu_mla_decode_fp8_v1"
 # The kernel's query rows per CTA (cuda_src/mla_sm90/kernel.py: ROWS).
 _ROW_TILE = 64
 # Keys per split of the Hopper kernel, by whether a sequence's query rows
@@ -46,16 +49,24 @@ _SPLIT_KEYS_ONE_TILE = 1024
 _SPLIT_KEYS = 2048
 
 
-def _register_cuda() -> bool:
+def _register_cuda(handler_name: str, target: str, has_kernel) -> bool:
+  """Registers the handler when the library holds it and its kernel."""
   library = ffi._cuda_library
-  handler = getattr(library, "JaxFlashMlaDecodeCuda", None) if library is not None else None
-  if handler is None or getattr(library, "jax_flash_mla_sm90", None) is None:
+  handler = getattr(library, handler_name, None) if library is not None else None
+  if handler is None or not has_kernel(library):
     return False
-  jax.ffi.register_ffi_target(_MLA_TARGET, jax.ffi.pycapsule(handler), platform="CUDA")
+  jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="CUDA")
   return True
 
 
-_CUDA_REGISTERED = _register_cuda()
+_CUDA_REGISTERED = _register_cuda(
+    "JaxFlashMlaDecodeCuda", _MLA_TARGET,
+    lambda library: getattr(library, "jax_flash_mla_sm90", None) is not None)
+# The FP8 kernel is in the library when export.py exported it (not under --only).
+_CUDA_FP8_REGISTERED = _register_cuda(
+    "JaxFlashMlaDecodeFp8Cuda", _MLA_FP8_TARGET,
+    lambda library: getattr(library, "jax_flash_mla_sm90_fp8_available", None) is not None
+    and library.jax_flash_mla_sm90_fp8_available() == 1)
 
 
 def mla_decode(q, cache, page_table, cache_lengths, *, scale, query_lengths=None, sinks=None,
@@ -96,8 +107,8 @@ def mla_decode(q, cache, page_table, cache_lengths, *, scale, query_lengths=None
     implementation: ``None`` runs jax_flash's kernel where one applies and
       the XLA composition elsewhere; ``"flash"`` raises
       ``NotImplementedError`` where no kernel applies; ``"xla"``: the XLA
-      composition (``mla_reference``). The kernel: the bfloat16 / float16
-      cache on a Hopper GPU.
+      composition (``mla_reference``). The kernels: both cache formats on a
+      Hopper GPU.
 
   Page ids and lengths are checked when they are concrete; inside ``jit`` a
   page id outside the pool reads zeros and lengths clip to the table. A NaN
@@ -132,8 +143,10 @@ def mla_decode(q, cache, page_table, cache_lengths, *, scale, query_lengths=None
 
 
 def _mla_kernel(q, cache, page_table, cache_lengths, query_lengths, *, scale: float):
-  """The Hopper kernel: per (64 packed query rows, sequence, split) a
-  partial result, merged in ``paged.merge_splits``'s fixed order."""
+  """The Hopper kernels: per (64 packed query rows, sequence, split) a
+  partial result, merged in ``paged.merge_splits``'s fixed order. The FP8
+  cache's queries are quantised per token and head here, by
+  ``quantize_latent``, so that their codes are the reference's bit for bit."""
   batch, s_q, heads, _ = q.shape
   split_keys = _SPLIT_KEYS_ONE_TILE if s_q * heads <= _ROW_TILE else _SPLIT_KEYS
   split_pages = split_keys // PAGE_SIZE
@@ -144,9 +157,15 @@ def _mla_kernel(q, cache, page_table, cache_lengths, query_lengths, *, scale: fl
   table = jnp.pad(page_table, [(0, 0), (0, splits * split_pages - max_pages)])
   out_types = (jax.ShapeDtypeStruct((batch * splits, s_q, heads, LATENT_DIM), q.dtype),
                jax.ShapeDtypeStruct((batch * splits, s_q, heads), jnp.float32))
-  out, lse = jax.ffi.ffi_call(_MLA_TARGET, out_types)(
-      q, cache, table, query_lengths, cache_lengths, scale=np.float32(scale),
-      split_pages=np.int32(split_pages))
+  attributes = dict(scale=np.float32(scale), split_pages=np.int32(split_pages))
+  if isinstance(cache, MlaFp8Cache):
+    q_codes, q_scales, q_rope = quantize_latent(q)
+    out, lse = jax.ffi.ffi_call(_MLA_FP8_TARGET, out_types)(
+        q_codes, q_scales, q_rope, cache.latent, cache.scales, cache.rope, table, query_lengths,
+        cache_lengths, **attributes)
+  else:
+    out, lse = jax.ffi.ffi_call(_MLA_TARGET, out_types)(
+        q, cache, table, query_lengths, cache_lengths, **attributes)
   out, lse = paged.merge_splits(out.reshape(batch, splits, s_q, heads, LATENT_DIM),
                                 jnp.swapaxes(lse.reshape(batch, splits, s_q, heads), -1, -2))
   return out, lse
@@ -211,10 +230,6 @@ def empty_mla_cache(num_pages: int, kv_dtype=jnp.bfloat16):
 
 def _kernel_unavailable_reason(q, cache) -> str | None:
   """Why the Hopper kernel cannot serve this call, or None."""
-  if isinstance(cache, MlaFp8Cache):
-    return ("jax_flash has no MLA decode kernel for the FP8 latent cache yet (the Hopper kernel "
-            "serves the bfloat16 / float16 cache); implementation=None or 'xla' runs the XLA "
-            "composition")
   if _sharded_over_explicit_axes(q):
     return ("the MLA decode kernel has no partitioning rule yet, and q is sharded over "
             "Explicit mesh axes; implementation=None or 'xla' runs the XLA composition, which "
@@ -223,12 +238,14 @@ def _kernel_unavailable_reason(q, cache) -> str | None:
   if platform != "gpu":
     return (f"jax_flash's MLA decode kernel runs on Hopper GPUs, not on platform {platform!r}; "
             "implementation=None or 'xla' runs the XLA composition")
-  if not _CUDA_REGISTERED:
-    return "this installation holds no MLA decode kernel for GPUs"
+  fp8 = isinstance(cache, MlaFp8Cache)
+  if not (_CUDA_FP8_REGISTERED if fp8 else _CUDA_REGISTERED):
+    return (f"this installation holds no MLA decode kernel for GPUs for the "
+            f"{'FP8' if fp8 else 'bfloat16 / float16'} cache")
   capability = ffi.gpu_compute_capability()
   if capability is None or capability[0] != 9:
     return f"the MLA decode kernel needs a Hopper GPU (compute capability 9.x), got {capability}"
-  if jnp.shape(cache)[0] == 0:
+  if jnp.shape(cache.latent if fp8 else cache)[0] == 0:
     return "the MLA decode kernel needs a cache of at least one page"
   return None
 

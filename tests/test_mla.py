@@ -4,7 +4,7 @@ numpy, the FP8 scheme's pieces, page placement, poisoned unused slots, batch
 invariance, tensor-parallel heads, the cache writes and the errors.
 
 The module-level checks run the XLA composition; TestMlaGpu runs the
-Hopper kernel (bfloat16 / float16 cache) through the same helpers with
+Hopper kernels (both cache formats) through the same helpers with
 implementation="flash" (skipped without a Hopper GPU)."""
 
 import functools
@@ -517,17 +517,15 @@ def test_kernel_declines_heads_sharded_over_explicit_axes():
       jax.device_put(inputs["q"], NamedSharding(auto, P(None, None, "tp"))))
 
 
-def test_implementation_flash_names_what_is_missing():
-  inputs, _ = make_batch(15, [40], [1], fp8=True)
-  with pytest.raises(NotImplementedError, match=r"implementation='flash': jax_flash has no "
-                                                r"MLA decode kernel for the FP8 latent cache"):
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_implementation_flash_names_what_is_missing(fp8):
+  if jax.default_backend() != "cpu":
+    pytest.skip("the message names the CPU platform")
+  inputs, _ = make_batch(15, [40], [1], fp8=fp8)
+  with pytest.raises(NotImplementedError, match=r"implementation='flash': jax_flash's MLA "
+                                                r"decode kernel runs on Hopper GPUs, not on "
+                                                r"platform 'cpu'"):
     jax_flash.mla_decode(**inputs, scale=SCALE, implementation="flash")
-  if jax.default_backend() == "cpu":
-    bf16_inputs, _ = make_batch(15, [40], [1])
-    with pytest.raises(NotImplementedError, match=r"implementation='flash': jax_flash's MLA "
-                                                  r"decode kernel runs on Hopper GPUs, not on "
-                                                  r"platform 'cpu'"):
-      jax_flash.mla_decode(**bf16_inputs, scale=SCALE, implementation="flash")
   # The default runs the composition.
   for got, want in zip(run(inputs, implementation=None), run(inputs)):
     np.testing.assert_array_equal(got, want)
@@ -674,7 +672,131 @@ class TestMlaGpu:
     assert np.all(out[1, 1] == 0) and np.all(lse[1, :, 1] == -np.inf)
     assert np.isfinite(out[1, 0]).all()
 
-  def test_fp8_cache_names_what_is_missing(self):
-    inputs, _ = make_batch(15, [40], [1], fp8=True)
-    with pytest.raises(NotImplementedError, match="no MLA decode kernel for the FP8"):
-      jax_flash.mla_decode(**inputs, scale=SCALE, implementation="flash")
+
+@pytest.mark.gpu
+class TestMlaFp8Gpu:
+  """The Hopper kernel for the FP8 cache (kernel_fp8.py) on the module's
+  checks, with implementation="flash": against the float64 reference over
+  the dequantised query and cache by the tolerance principle (naive:
+  naive_fp8), and within the measured FP8 error of the unquantised cache."""
+
+  def test_matches_float64(self):
+    for lengths, new in BATCHES:
+      inputs, rows = make_batch(len(lengths), lengths, new, fp8=True)
+      got = run(inputs, implementation="flash")
+      assert_matches(got, inputs, rows, f"{lengths} {new}")
+      assert_within_fp8_error_of_unquantised(got[0], inputs, rows)
+
+  @pytest.mark.parametrize("heads", [16, 64, 128])
+  @pytest.mark.parametrize("s_q", [1, 2])
+  def test_heads_and_speculative_rows(self, heads, s_q):
+    # 4097 keys: splits of 1024 or 2048 keys, the last of one key.
+    lengths = [4097, 1000, 17, 1]
+    new = [s_q, 1, s_q, 1]
+    inputs, rows = make_batch(heads + s_q, lengths, new, heads=heads, fp8=True)
+    got = run(inputs, implementation="flash")
+    assert_matches(got, inputs, rows, f"heads {heads} s_q {s_q}")
+    assert_within_fp8_error_of_unquantised(got[0], inputs, rows)
+
+  def test_close_to_the_xla_composition(self):
+    """The composition computes the kernel's maths (fp8_reference); the two
+    differ in summation order, in the FP8 tensor cores' accumulation and in
+    P codes that a float32 rounding moves across a rounding boundary: well
+    within the tolerance of the float64 reference's test."""
+    inputs, rows = make_batch(40, [1000, 4097, 300], [2, 1, 2], heads=64, fp8=True)
+    got, want = run(inputs, implementation="flash"), run(inputs)
+    longest = max(len(r) for r in rows)
+    naive = naive_fp8(inputs, rows)
+    for name, g, w, n in zip(("out", "lse"), got, want, naive):
+      numerics.assert_within_tolerance(f"{name} flash vs xla", g, w, n, jnp.float32,
+                                       reduction=longest)
+
+  @pytest.mark.parametrize("heads", [16, 128])
+  def test_batch_invariant(self, heads):
+    """A sequence's rows bitwise: alone and in another slot of a larger
+    batch, its pages elsewhere in a larger pool, beside longer sequences
+    (more splits) and another table width."""
+    batch = make_batch(9, [70, 9000, 3000, 1], [1, 2, 2, 1], spare_pages=20, heads=heads,
+                       fp8=True)[0]
+    alone = make_batch(8, [3000], [2], heads=heads, fp8=True)[0]
+    got_alone = run(alone, implementation="flash")
+    got_mixed = run(place_sequence(batch, 2, alone), implementation="flash")
+    np.testing.assert_array_equal(got_mixed[0][2], got_alone[0][0])
+    np.testing.assert_array_equal(got_mixed[1][2], got_alone[1][0])
+
+  def test_unseen_positions_never_reach_results(self):
+    """make_batch poisons the unused slots' codes, scales and RoPE columns,
+    the spare pages and the padding query rows with NaN and Inf."""
+    inputs, _ = make_batch(12, [1000, 300, 5, 4097], [2, 1, 0, 2], fp8=True)
+    clean = dict(inputs, q=finite_or_zero(inputs["q"]), cache=finite_or_zero(inputs["cache"]))
+    got, want = run(inputs, implementation="flash"), run(clean, implementation="flash")
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    assert np.isfinite(got[0]).all()
+
+  @pytest.mark.parametrize("part", ["scales", "latent", "rope_inf", "rope_minus_inf"])
+  def test_visible_nan_reaches_exactly_the_rows_that_see_it(self, part):
+    """A non-finite value in token 999 of sequence 0 (visible to its second
+    row only): a NaN scale or code, or an Inf of either sign in a RoPE
+    column (a logit of -inf would otherwise just hide the key)."""
+    inputs, _ = make_batch(21, [1000, 90], [2, 1], fp8=True)
+    page, row = int(inputs["page_table"][0, 999 // PAGE]), 999 % PAGE
+    cache = inputs["cache"]
+    poisoned = {
+        "scales": lambda: cache._replace(scales=cache.scales.at[page, row].set(jnp.nan)),
+        "latent": lambda: cache._replace(latent=cache.latent.at[page, row, 7].set(jnp.nan)),
+        "rope_inf": lambda: cache._replace(rope=cache.rope.at[page, row, 3].set(jnp.inf)),
+        "rope_minus_inf": lambda: cache._replace(rope=cache.rope.at[page, row, 3].set(-jnp.inf)),
+    }[part]()
+    clean_out, clean_lse = run(inputs, implementation="flash")
+    out, lse = run(dict(inputs, cache=poisoned), implementation="flash")
+    assert np.isnan(out[0, 1]).all() and np.isnan(lse[0, :, 1]).all()
+    out[0, 1], lse[0, :, 1] = clean_out[0, 1], clean_lse[0, :, 1]
+    np.testing.assert_array_equal(out, clean_out)
+    np.testing.assert_array_equal(lse, clean_lse)
+
+  def test_sinks(self):
+    for lengths, new in BATCHES:
+      inputs, rows = make_batch(33, lengths, new, fp8=True)
+      sinks = sink_values(16, 33)
+      got = run(dict(inputs, sinks=sinks), implementation="flash")
+      want = run(dict(inputs, sinks=sinks))
+      naive = naive_fp8(inputs, rows)
+      longest = max(max(len(r) for r in rows), 1)
+      for name, g, w, n in zip(("out", "lse"), got, want, naive):
+        numerics.assert_within_tolerance(f"{name} sinks {lengths} {new}", g, w, n, jnp.float32,
+                                         reduction=longest)
+
+  def test_rows_without_keys(self):
+    inputs, _ = make_batch(13, [0, 50], [0, 1], heads=16, spare_pages=1, fp8=True)
+    inputs["query_lengths"] = jnp.asarray([0, 1], jnp.int32)
+    inputs["q"] = jnp.ones((2, 2, 16, WIDTH), jnp.bfloat16)
+    out, lse = run(inputs, implementation="flash")
+    assert np.all(out[0] == 0) and np.all(lse[0] == -np.inf)
+    assert np.all(out[1, 1] == 0) and np.all(lse[1, :, 1] == -np.inf)
+    assert np.isfinite(out[1, 0]).all()
+
+  def test_handler_validates_buffers(self):
+    """The FFI handler's own checks (mla_ffi.h), reached by calling its
+    target with a wrong buffer: an error naming it, no launch."""
+    inputs, _ = make_batch(14, [100], [1], fp8=True)
+    q_codes, q_scales, q_rope = mla.quantize_latent(inputs["q"])
+    cache = inputs["cache"]
+    out_types = (jax.ShapeDtypeStruct((1, 1, 16, LATENT), jnp.bfloat16),
+                 jax.ShapeDtypeStruct((1, 1, 16), jnp.float32))
+    call = lambda **changes: jax.ffi.ffi_call(mla._MLA_FP8_TARGET, out_types)(
+        *{**dict(q_codes=q_codes, q_scales=q_scales, q_rope=q_rope, latent=cache.latent,
+                 scales=cache.scales, rope=cache.rope, table=inputs["page_table"],
+                 q_lens=inputs["query_lengths"], kv_lens=inputs["cache_lengths"]),
+          **changes}.values(), scale=np.float32(SCALE),
+        split_pages=np.int32(inputs["page_table"].shape[1]))
+    jax.block_until_ready(call())
+    with pytest.raises(Exception,
+                       match=r"latent must be float8_e4m3fn \[num_pages > 0, 64, 512\]"):
+      jax.block_until_ready(call(latent=cache.latent[..., :256]))
+    with pytest.raises(Exception, match=r"scales must be float32 \[num_pages="):
+      jax.block_until_ready(call(scales=cache.scales.astype(jnp.bfloat16)))
+    with pytest.raises(Exception, match="q_rope must be bfloat16"):
+      jax.block_until_ready(call(q_rope=q_rope.astype(jnp.float16)))
+    with pytest.raises(Exception, match="q_scales has 8 elements, expected 16"):
+      jax.block_until_ready(call(q_scales=q_scales[..., :8]))
