@@ -11,8 +11,11 @@ heads (the compute-bound case) or 16 (one tensor-parallel shard of 128: the
 memory-bound case). Implementations of one shape run in turn:
 
 * ``jax_flash``: ``mla_decode`` with ``implementation="flash"`` on a GPU
-  (a shape it cannot serve is reported and skipped); with ``--cpu-sizes``,
-  ``implementation="xla"``, so that this script runs where no kernel does.
+  (a shape it cannot serve is reported and skipped): on a Hopper GPU the
+  kernels of cuda_src/mla_sm90, for the FP8 cache kernel_fp8.py, its time
+  including the queries' quantisation that ``mla_decode`` does before it;
+  with ``--cpu-sizes``, ``implementation="xla"``, so that this script runs
+  where no kernel does.
 * ``xla`` ``gather``: plain JAX over the gathered pages (the FP8 cache
   dequantised to bfloat16 first): bfloat16 products with float32
   accumulation, a float32 softmax.

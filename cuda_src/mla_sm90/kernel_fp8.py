@@ -454,7 +454,9 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
             largest[r] = cute.arch.fmax(largest[r] * factor[r], p_scale)
             new_unit = cute.arch.fmax(cute.arch.fmax(p_scale, largest[r] * UNIT_FLOOR), MIN_NORMAL)
             inverse = rcp_rn(new_unit)
-            rescale = factor[r] * (unit[r] * inverse)
+            # In this order the product stays within 2^64 (new_unit is at
+            # least 2^-64 of factor * the old unit), and a factor of 0 gives 0.
+            rescale = (factor[r] * unit[r]) * inverse
             unit[r] = new_unit
             for c in cutlass.range_constexpr(num_cols):
                 acc_S_mn[r, c] = acc_S_mn[r, c] * inverse
