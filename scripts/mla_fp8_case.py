@@ -5,8 +5,8 @@ at s_q 2 (one tile of 32 rows) and 128 heads at s_q 1 (two tiles), with
 lengths that end inside a page, a split boundary (1024 / 2048 keys) and a
 sequence of one token. Exits 1 when the kernel's output is not finite where
 the composition's is, or differs from it by more than 10% of the largest
-output, or its lse by more than 0.1 (the tests hold it to the tolerance principle; this only catches a
-broken kernel)."""
+output, or its lse by more than 0.1 (the tests hold it to the tolerance
+principle; this only catches a broken kernel)."""
 
 import sys
 
