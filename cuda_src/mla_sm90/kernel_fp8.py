@@ -228,8 +228,7 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
             consumer_group=consumer_warps, tx_count=self.q_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
         # A page stage is released with one arrive per consumer warp, once
-        # both products have read it (the transposition is done before the
-        # consumers can start P V, see pipe_v).
+        # the S products and the transposition have read it (_consume_fp8).
         pipe_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_k.data_ptr(), num_stages=KV_STAGES,
             producer_group=producer_group, consumer_group=consumer_warps, tx_count=self.k_bytes,
@@ -415,6 +414,10 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=CONSUMERS * WG_THREADS)
             pipe_v.consumer_wait(v_state)
+            # The page's stage is done with: this warp's S product has
+            # completed, its key scales are read, and the transposition has
+            # read the codes (V tile full), so the next load may start under P V.
+            pipe_k.consumer_release(kv_state)
             warpgroup.fence()
             for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
                 cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, k],
@@ -424,7 +427,6 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
             # nobody writes P while a P V product still reads it.
             warpgroup.wait_group(0)
             pipe_v.consumer_release(v_state)
-            pipe_k.consumer_release(kv_state)
             kv_state.advance()
             v_state.advance()
 
