@@ -338,7 +338,8 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
         tiled_mma_rope.set(warpgroup.Field.ACCUMULATE, True)
         acc_S_shape = thr_lat.partition_shape_C((ROWS, KEY_HALF))
         acc_O_mn = wgmma_acc_as_rows_cols(acc_O)
-        tScS = wgmma_acc_as_rows_cols(thr_lat.partition_C(cute.make_identity_tensor((ROWS, KEY_HALF))))
+        tScS = wgmma_acc_as_rows_cols(
+            thr_lat.partition_C(cute.make_identity_tensor((ROWS, KEY_HALF))))
         num_rows = cute.size(tScS, mode=[0])
         num_cols = cute.size(tScS, mode=[1])
         row_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
