@@ -64,7 +64,8 @@ from kernel import (BAR_CONSUMERS, BAR_OWN, CONSUMERS, KEY_HALF, KV_STAGES, LATE
 ROPE = 64  # RoPE columns
 FP8_MAX = 448.0
 # Warps 1-3 of the producer warpgroup transpose the pages (warp 0 loads).
-TRANSPOSERS = 3 * 32
+TRANSPOSER_WARPS = 3
+TRANSPOSERS = TRANSPOSER_WARPS * 32
 # setmaxnreg: 128 * 40 + 256 * 232 <= 65536 registers of the CTA; the
 # transposition needs more than kernel.py's 24 of the producer.
 PRODUCER_REGS = 40
@@ -249,7 +250,7 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
                 self._produce_fp8(q_loads, page_loads, smem, pipe_q, pipe_k, mPageTable, split,
                                   row_tile)
             else:
-                self._transpose_pages(tidx - 32, smem, pipe_k, pipe_v, split)
+                self._transpose_pages(warp_idx - 1, tidx % 32, smem, pipe_k, pipe_v, split)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._consume_fp8(tidx % WG_THREADS, wg_idx - 1, smem, pipe_q, pipe_k, pipe_v, mmas,
@@ -292,7 +293,7 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
             kv_state.advance()
 
     @cute.jit
-    def _transpose_pages(self, tid, smem, pipe_k, pipe_v, split):
+    def _transpose_pages(self, warp, lane, smem, pipe_k, pipe_v, split):
         """Warps 1-3: each landed page's codes into the V tile of its stage."""
         shared_keys = cutlass.min(split.diagonal, split.kv_len - 1)
         page_base = smem.latent_base.toint()
@@ -303,8 +304,8 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
             pipe_k.consumer_wait(kv_state)
             pipe_v.producer_acquire(v_state)
             transpose_page(page_base + kv_state.index * STAGE_BYTES,
-                           v_base + v_state.index * STAGE_BYTES, tid, TRANSPOSERS, j * PAGE,
-                           shared_keys, split.kv_len)
+                           v_base + v_state.index * STAGE_BYTES, warp, lane, TRANSPOSER_WARPS,
+                           j * PAGE, shared_keys, split.kv_len)
             # The generic-proxy writes must be visible to the WGMMA (async proxy).
             cute.arch.fence_proxy("async.shared", space="cta")
             pipe_v.producer_commit(v_state)
