@@ -5,9 +5,10 @@ that FP8 WGMMA reads.
 
 The transposition works on 4 x 4 byte blocks (4 keys x 4 columns): four
 32-bit loads (one per key), eight byte permutes, four 32-bit stores (one
-per column), a warp's 32 lanes a step of 32 blocks. The shared-memory addresses are computed here from the two
-layouts, which kernel_fp8.py checks at trace time against what the WGMMA
-helpers chose (PAGE_LAYOUT, V_LAYOUT), so that the two cannot drift apart.
+per column), a warp's 32 lanes a step of 32 blocks. The shared-memory
+addresses are computed here from the two layouts, which kernel_fp8.py
+checks at trace time against what the WGMMA helpers chose (PAGE_LAYOUT,
+V_LAYOUT), so that the two cannot drift apart.
 """
 
 import cutlass
