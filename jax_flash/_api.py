@@ -13,6 +13,8 @@ from jax_flash import _reference as reference
 from jax_flash import _segments as segments
 from jax_flash import _validation as validation
 from jax_flash import _vjp as vjp
+from jax_flash._call import (KernelCall, Mask, MaskOperands, PerPlatform, runs_kernels,
+                             sink_operand, whole_lengths)
 
 
 def _platform_of(*arrays) -> str:
@@ -65,8 +67,8 @@ def _lowering_reason(backend: str, dtype, shapes: validation.Shapes) -> str | No
   return reason
 
 
-def _per_platform(implementation, call: ffi.KernelCall, dtype, shapes) -> ffi.PerPlatform | None:
-  """The kernel call for each lowering platform (ffi.PerPlatform) under
+def _per_platform(implementation, call: KernelCall, dtype, shapes) -> PerPlatform | None:
+  """The kernel call for each lowering platform (PerPlatform) under
   ``implementation`` None or "flash"; None where none would run a kernel."""
   entries = {}
   for platform, backend in (("cpu", "cpu"), ("cuda", "gpu")):
@@ -77,31 +79,33 @@ def _per_platform(implementation, call: ffi.KernelCall, dtype, shapes) -> ffi.Pe
       entries[platform] = dataclasses.replace(call, backend="xla")
     else:
       entries[platform] = _no_kernel_message(implementation, call, reason)
-  if all(isinstance(e, ffi.KernelCall) and e.backend == "xla" for e in entries.values()):
+  if all(isinstance(e, KernelCall) and e.backend == "xla" for e in entries.values()):
     return None
   other = (dataclasses.replace(call, backend="xla")
            if implementation is None and not call.batch_invariant else _no_kernel_message(
                implementation, call, "jax_flash has kernels for CPU and CUDA only"))
-  return ffi.PerPlatform(cpu=entries["cpu"], cuda=entries["cuda"], other=other)
+  return PerPlatform(cpu=entries["cpu"], cuda=entries["cuda"], other=other)
 
 
-def _no_kernel_message(implementation, call: ffi.KernelCall, reason: str) -> str:
+def _no_kernel_message(implementation, call: KernelCall, reason: str) -> str:
   if call.batch_invariant and implementation in (None, "xla"):
     return ("batch_invariant=True needs jax_flash's kernels (XLA's attention may change with "
             f"the batch), which cannot serve this call: {reason}")
   return f"implementation={implementation!r}: {reason}"
 
 
-def _attention(q, k, v, shapes, *, scale, diag_offset, window_left, window_right, q_lens,
-               kv_lens, implementation, segment_ids=(None, None), softcap=0.0, sinks=None,
-               deterministic=False, batch_invariant=False):
+def _attention(q, k, v, shapes, *, scale, mask: Mask, q_lens, kv_lens, implementation,
+               segment_ids=(None, None), softcap=0.0, sinks=None, deterministic=False,
+               batch_invariant=False):
+  """(out, lse) of validated arguments: the call's description (a
+  KernelCall for the backend that serves it, the mask's arrays, the sinks)
+  built once, handed to the differentiable kernel call."""
   dtype = jnp.result_type(q)
   # Raises here, while tracing, what the platform of the inputs cannot serve.
   platform = _platform_of(q, k, v)
   local = select_backend(implementation, platform, dtype, shapes)
-  call = ffi.KernelCall(backend=local, scale=scale, diag_offset=diag_offset,
-                        window_left=window_left, window_right=window_right, softcap=softcap,
-                        deterministic=deterministic, batch_invariant=batch_invariant)
+  call = KernelCall(backend=local, scale=scale, mask=mask, softcap=softcap,
+                    deterministic=deterministic, batch_invariant=batch_invariant)
   if (local == "gpu" or implementation in (None, "flash")) and ffi.gpu_compute_capability():
     if reason := _gpu_support.device_reason("backward", shapes.head_dim):
       call = (dataclasses.replace(call, backward_on_xla=True) if implementation is None else
@@ -118,34 +122,19 @@ def _attention(q, k, v, shapes, *, scale, diag_offset, window_left, window_right
   q_segment_ids, kv_segment_ids = segment_ids
   if 0 in (shapes.batch, shapes.seq_q, shapes.seq_k, shapes.heads_q):
     return reference.attention_reference(
-        q, k, v, scale=scale, diag_offset=diag_offset, window_left=window_left,
-        window_right=window_right, q_lens=q_lens, kv_lens=kv_lens,
+        q, k, v, scale=scale, **dataclasses.asdict(mask), q_lens=q_lens, kv_lens=kv_lens,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softcap=softcap,
         sinks=sinks)
   if q_lens is None:
-    q_lens = _whole_lengths(shapes.batch, shapes.seq_q)
+    q_lens = whole_lengths(shapes.batch, shapes.seq_q)
   if kv_lens is None:
-    kv_lens = _whole_lengths(shapes.batch, shapes.seq_k)
-  if q_segment_ids is None:
-    segment_operands = ffi.no_segments(q)
-  elif isinstance(call, ffi.KernelCall) and call.backend == "xla":  # no kernel skips tiles
-    segment_operands = (q_segment_ids, kv_segment_ids, *ffi.no_segments(q)[:2])
-  else:
+    kv_lens = whole_lengths(shapes.batch, shapes.seq_k)
+  bounds = None
+  if q_segment_ids is not None and runs_kernels(call):  # XLA skips no tiles by them
     bounds = segments.segment_bounds(q_segment_ids, kv_segment_ids)
-    segment_operands = ffi.segment_operands(q_segment_ids, kv_segment_ids, *bounds)
-  sink_operand = ffi.no_sinks(q) if sinks is None else ffi.sink_operand(sinks, q)
-  return vjp.flash_attention(q, k, v, q_lens, kv_lens, *segment_operands, sink_operand, call)
-
-
-def _whole_lengths(batch: int, seq: int) -> np.ndarray:
-  """Lengths that cover every row: the kernels read a length at or past the
-  sequence as the whole of it. Distinct values (seq, seq + 1, ...) keep the
-  array a constant of the executable; one value repeated, XLA turns it into
-  a broadcast, a kernel launched on every call (H100, 16 heads, 16k tokens,
-  seq 1024: 1.0-3.6 us, 0.5-1.6% of the forward)."""
-  if seq + batch > np.iinfo(np.int32).max:  # past int32: no executable this large runs anyway
-    return np.full(batch, seq, np.int32)
-  return np.arange(seq, seq + batch, dtype=np.int32)
+  masks = MaskOperands.build((shapes.batch,), q_lens, kv_lens, q_segment_ids, kv_segment_ids,
+                             bounds)
+  return vjp.flash_attention(q, k, v, masks, sink_operand(sinks, q), call)
 
 
 def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None = None,
@@ -230,14 +219,13 @@ def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None
   validation.check_implementation(implementation)
   shapes = validation.check_qkv(q, k, v)
   scale = validation.check_scale(scale, shapes.head_dim)
-  window_left, window_right = validation.check_window(window, "window")
+  window = validation.check_window(window, "window")
   return_lse = validation.check_flag(return_lse, "return_lse")
   sinks = validation.check_sinks(sinks, shapes.heads_q)
-  if validation.check_flag(causal, "causal"):
-    window_right = 0 if window_right < 0 else min(window_right, 0)
+  mask = Mask.of(causal=validation.check_flag(causal, "causal"), window=window,
+                 diag_offset=shapes.seq_k - shapes.seq_q)
   out, lse = _attention(
-      q, k, v, shapes, scale=scale, diag_offset=shapes.seq_k - shapes.seq_q,
-      window_left=window_left, window_right=window_right,
+      q, k, v, shapes, scale=scale, mask=mask,
       q_lens=validation.check_lengths(query_seq_lengths, "query_seq_lengths", shapes.batch),
       kv_lens=validation.check_lengths(key_value_seq_lengths, "key_value_seq_lengths",
                                        shapes.batch),
@@ -366,13 +354,10 @@ def _jax_nn_conventions(query, key, value, *, scale, is_causal: bool, query_seq_
   if shapes.head_dim_v != shapes.head_dim:
     raise ValueError(f"value must have the key's shape {jnp.shape(key)}, got {jnp.shape(value)}")
   scale = validation.check_scale(scale, shapes.head_dim)
-  window_left, window_right = validation.check_window(local_window_size, "local_window_size")
+  window = validation.check_window(local_window_size, "local_window_size")
   sinks = validation.check_sinks(sinks, shapes.heads_q)
-  if is_causal:
-    window_right = 0 if window_right < 0 else min(window_right, 0)
   out, lse = _attention(
-      query, key, value, shapes, scale=scale, diag_offset=0, window_left=window_left,
-      window_right=window_right,
+      query, key, value, shapes, scale=scale, mask=Mask.of(causal=is_causal, window=window),
       q_lens=validation.check_lengths(query_seq_lengths, "query_seq_lengths", shapes.batch),
       kv_lens=validation.check_lengths(key_value_seq_lengths, "key_value_seq_lengths",
                                        shapes.batch),

@@ -21,19 +21,17 @@ class BackendSupport:
   max_head_dim: int
   # False: any head_dim_v up to max_head_dim. True: head_dim_v <= head_dim,
   # served with V zero-padded to head_dim (exact: the padded columns of O are
-  # zeros and are cut off) at the cost of the wider P V product.
+  # zeros and are cut off) at the cost of the wider P V product, but where a
+  # Hopper kernel of those head dims exists (the library says: _plan.py).
   pads_head_dim_v: bool
-  # (head_dim, head_dim_v) pairs with kernels of their own on Hopper (compute
-  # capability 9.x), which take V unpadded: the forward always, the backward
-  # where the sm90 kernels serve it (sm90_backward_serves).
-  native_value_dims: tuple[tuple[int, int], ...]
   # GQA query heads are packed into one sequence below this many queries
   # (head_packing.py): the query rows of one forward tile (CPU: up to head
   # dim 128).
   query_tile_rows: int
   # A forward with fewer CTAs than this splits its keys (kv_split.py); 0:
-  # never (the CPU kernels parallelise over their own tasks).
-  kv_split_ctas: int
+  # never (the CPU kernels parallelise over their own tasks); None: one wave
+  # of the device, its SM count (_gpu_support.split_target).
+  kv_split_ctas: int | None
 
   def unsupported_reason(self, dtype, head_dim: int, head_dim_v: int) -> str | None:
     """Why this backend cannot run the problem, or None when it can."""
@@ -50,34 +48,19 @@ class BackendSupport:
               f"head_dim_v={head_dim_v}")
     return None
 
-  def value_padding(self, head_dim: int, head_dim_v: int, hopper_kernels: bool = False) -> int:
-    """Zero columns to append to V (and cut from O, or dV) for the kernels;
-    ``hopper_kernels``: the call runs on Hopper's own kernels (the forward on
-    a Hopper GPU; the backward there if ``sm90_backward_serves``)."""
-    if not self.pads_head_dim_v:
-      return 0
-    if hopper_kernels and (head_dim, head_dim_v) in self.native_value_dims:
-      return 0
-    return head_dim - head_dim_v
+  def value_padding(self, head_dim: int, head_dim_v: int) -> int:
+    """Zero columns to append to V (and cut from O, or dV) for the kernels
+    that need V as wide as K."""
+    return head_dim - head_dim_v if self.pads_head_dim_v else 0
 
+
+# The head dims (head_dim == head_dim_v) of the Hopper paged forward
+# (cuda_src/fwd_sm90/tile_config.py: PAGED).
+PAGED_HEAD_DIMS = (64, 128, 256)
 
 # CUDA's limit on a grid's y and z dimensions, which the kernels give to
 # batch entries (times key splits) and heads.
 MAX_GRID_YZ = 65535
-
-
-def sm90_backward_serves(*, deterministic: bool, has_segments: bool, softcap: bool, batch: int,
-                         heads_kv: int) -> bool:
-  """Whether the Hopper backward kernels take a backward call on a Hopper GPU
-  (cuda_src/bwd_sm90/launch.cc: can_implement): they have no variant that is
-  deterministic with packed documents, nor a soft-capped one that is either,
-  and take at most 65535 batch entries and kv heads (grid dimensions). The
-  sm80 kernels run the others, with V padded."""
-  if has_segments and deterministic:
-    return False
-  if softcap and (deterministic or has_segments):
-    return False
-  return batch <= MAX_GRID_YZ and heads_kv <= MAX_GRID_YZ
 
 
 CPU = BackendSupport(
@@ -86,7 +69,6 @@ CPU = BackendSupport(
     head_dims=None,
     max_head_dim=512,
     pads_head_dim_v=False,
-    native_value_dims=(),
     query_tile_rows=64,
     kv_split_ctas=0,
 )
@@ -101,10 +83,8 @@ GPU = BackendSupport(
     head_dims=(64, 96, 128, 192, 256),
     max_head_dim=256,
     pads_head_dim_v=True,
-    native_value_dims=((192, 128),),
     query_tile_rows=128,
-    # One wave on an H100 (kv_split.py has the measurements).
-    kv_split_ctas=132,
+    kv_split_ctas=None,
 )
 
 BACKENDS = {"cpu": CPU, "gpu": GPU}

@@ -9,6 +9,7 @@ dequantised float32 inputs; the Hopper kernel plugs in behind the same
 arguments.
 """
 
+import dataclasses
 import functools
 import math
 
@@ -19,6 +20,7 @@ import numpy as np
 from jax_flash import _api as api
 from jax_flash import _reference as reference
 from jax_flash import _validation as validation
+from jax_flash._call import Mask
 
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
@@ -244,26 +246,26 @@ def fp8_attention(q, k, v, q_descale, k_descale, v_descale, *, causal: bool = Fa
   shapes, descales, block_size = _check_inputs(q, k, v, q_descale, k_descale, v_descale, block_size,
                                    output_dtype)
   scale = validation.check_scale(scale, shapes.head_dim)
-  window_left, window_right = validation.check_window(window, "window")
+  window = validation.check_window(window, "window")
   return_lse = validation.check_flag(return_lse, "return_lse")
-  if validation.check_flag(causal, "causal"):
-    window_right = 0 if window_right < 0 else min(window_right, 0)
+  mask = Mask.of(causal=validation.check_flag(causal, "causal"), window=window,
+                 diag_offset=shapes.seq_k - shapes.seq_q)
   q_lens = validation.check_lengths(query_seq_lengths, "query_seq_lengths", shapes.batch)
   kv_lens = validation.check_lengths(key_value_seq_lengths, "key_value_seq_lengths", shapes.batch)
   segment_ids = validation.check_segment_ids(segment_ids, shapes)
   backend = _backend(implementation, api._platform_of(q, k, v))
-  mask = dict(scale=scale, diag_offset=shapes.seq_k - shapes.seq_q, window_left=window_left,
-              window_right=window_right)
 
   def compute(q, k, v, q_descale, k_descale, v_descale, q_lens, kv_lens, q_ids, kv_ids):
     q32, k32 = dequantize_fp8(q, q_descale, block_size), dequantize_fp8(k, k_descale, block_size)
     v32 = dequantize_fp8(v, v_descale)
     if backend == "xla":
       with jax.default_matmul_precision("highest"):  # float32 products, also where TF32 would run
-        return reference.attention_reference(q32, k32, v32, q_lens=q_lens, kv_lens=kv_lens,
-                                             q_segment_ids=q_ids, kv_segment_ids=kv_ids, **mask)
-    return api._attention(q32, k32, v32, shapes, q_lens=q_lens, kv_lens=kv_lens,
-                          segment_ids=(q_ids, kv_ids), implementation=implementation, **mask)
+        return reference.attention_reference(q32, k32, v32, scale=scale, q_lens=q_lens,
+                                             kv_lens=kv_lens, q_segment_ids=q_ids,
+                                             kv_segment_ids=kv_ids, **dataclasses.asdict(mask))
+    return api._attention(q32, k32, v32, shapes, scale=scale, mask=mask, q_lens=q_lens,
+                          kv_lens=kv_lens, segment_ids=(q_ids, kv_ids),
+                          implementation=implementation)
 
   out, lse = _forward_only(compute, q, k, v, descales["q_descale"], descales["k_descale"],
                            descales["v_descale"], q_lens, kv_lens, *segment_ids)

@@ -17,7 +17,12 @@ cannot runs XLA's backward with ``implementation=None`` (the forward keeps
 the kernel) or raises with ``"flash"`` / ``"gpu"`` when it is traced.
 
 Only the first GPU is looked at (as ``ffi.gpu_compute_capability`` does).
+Its facts are known while tracing, with no host synchronisation: whether
+the Hopper kernels serve it (``is_hopper``, which ``_plan`` asks once per
+kernel call) and its SM count (``split_target``).
 """
+
+import functools
 
 import jax
 
@@ -60,6 +65,35 @@ def shared_memory_reason(capability, direction: str, head_dim: int) -> str | Non
 def device_reason(direction: str, head_dim: int) -> str | None:
   """``shared_memory_reason`` for the first GPU, if this process has one."""
   return shared_memory_reason(ffi.gpu_compute_capability(), direction, head_dim)
+
+
+def is_hopper() -> bool:
+  """Whether the first GPU runs the sm_90a kernels (compute capability 9.x).
+  Without a GPU (lowering for CUDA on another host) the plans are those of
+  the other GPUs; the handlers pick the kernels again where they run."""
+  return (ffi.gpu_compute_capability() or (0,))[0] == 9
+
+
+# The SM count that a split aims at where no GPU is visible (lowering for
+# CUDA on another host): an H100's and an H200's.
+_DEFAULT_SM_COUNT = 132
+
+
+def split_target(backend: str) -> int:
+  """The CTAs a forward of ``backend`` aims at when it splits its keys
+  (kv_split.parts): configs' fixed count, else one wave of the first GPU,
+  its SM count (kv_split.py has the measurements)."""
+  target = configs.BACKENDS[backend].kv_split_ctas
+  return _sm_count() if target is None else target
+
+
+@functools.cache
+def _sm_count() -> int:
+  try:
+    sms = getattr(jax.devices("gpu")[0], "core_count", None)
+  except RuntimeError:  # no GPU backend
+    sms = None
+  return sms or _DEFAULT_SM_COUNT
 
 
 def gpu_device_kind() -> str:

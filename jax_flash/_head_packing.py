@@ -6,8 +6,8 @@ every query head of a GQA group reads the same K/V again. Packing the group's
 heads into the rows of one sequence (row ``t * group + g`` holds query ``t``
 of head ``g`` of the group) fills the tile and reads K/V once per group.
 
-It happens around each kernel call (``ffi.forward`` / ``ffi.backward``),
-that is per shard: sharding, residuals and gradients keep the caller's
+It happens around each kernel call (``_kernels.forward`` / ``backward``, as
+``_plan`` decides), that is per shard: sharding, residuals and gradients keep the caller's
 layout. The kernels mask by row index, so a packed problem must not depend
 on it: packing applies only when every query row sees every key under the
 diagonal and window (one decoding query under a causal mask does); lengths
@@ -19,32 +19,19 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_flash import _configs as configs
+from jax_flash._call import MaskOperands
 
 
-def group(q, k, call) -> int:
-  """The GQA group size to pack for this kernel call, or 1 for none."""
-  if q.ndim != 4:
+def group(q_shape: tuple, k_shape: tuple, call) -> int:
+  """The GQA group size to pack for a kernel call on these shapes, or 1 for none."""
+  if len(q_shape) != 4:
     return 1
-  seq_q, heads_q = q.shape[1:3]
-  seq_k, heads_kv = k.shape[1:3]
+  seq_q, heads_q = q_shape[1:3]
+  seq_k, heads_kv = k_shape[1:3]
   size = heads_q // heads_kv
   if size == 1 or seq_q == 0 or seq_q >= configs.BACKENDS[call.backend].query_tile_rows:
     return 1
-  return size if all_keys_visible(seq_q, seq_k, call) else 1
-
-
-def all_keys_visible(seq_q: int, seq_k: int, call) -> bool:
-  """Whether every query row sees every key under ``call``'s diagonal and
-  window (row i sees keys [i + diag_offset - window_left, i + diag_offset +
-  window_right])."""
-  left_free = call.window_left < 0 or call.window_left >= seq_q - 1 + call.diag_offset
-  right_free = call.window_right < 0 or call.diag_offset + call.window_right >= seq_k - 1
-  return left_free and right_free
-
-
-def unmasked(call):
-  """``call`` for the packed rows: their keys are all visible."""
-  return dataclasses.replace(call, diag_offset=0, window_left=-1, window_right=-1)
+  return size if call.mask.all_keys_visible(seq_q, seq_k) else 1
 
 
 def pack_rows(x, size: int):
@@ -75,13 +62,15 @@ def unpack_stats(x, size: int):
   return x.reshape(batch, heads_kv * size, rows // size)
 
 
-def pack_masks(q_lens, q_ids, kv_bounds, q_bounds, size: int):
-  """The row-indexed mask operands of ``ffi.forward`` for packed rows:
-  lengths and positions scale by ``size``, per-row values repeat."""
-  q_lens = q_lens * size
-  if q_ids.shape[-1]:  # packed documents (kernel_api.h: bounds as [first, last) pairs)
-    q_ids = jnp.repeat(q_ids, size, axis=-1)
-    pairs = kv_bounds.reshape(*kv_bounds.shape[:-1], -1, 2)
-    kv_bounds = jnp.repeat(pairs, size, axis=-2).reshape(*kv_bounds.shape[:-1], -1)
-    q_bounds = q_bounds * size
-  return q_lens, q_ids, kv_bounds, q_bounds
+def pack_masks(masks: MaskOperands, size: int) -> MaskOperands:
+  """The mask operands for packed rows: lengths and positions scale by
+  ``size``, per-row values repeat."""
+  masks = dataclasses.replace(masks, q_lens=masks.q_lens * size)
+  if not masks.has_segments:
+    return masks
+  # Packed documents (kernel_api.h: bounds as [first, last) pairs).
+  pairs = masks.kv_bounds.reshape(*masks.kv_bounds.shape[:-1], -1, 2)
+  return dataclasses.replace(
+      masks, q_ids=jnp.repeat(masks.q_ids, size, axis=-1),
+      kv_bounds=jnp.repeat(pairs, size, axis=-2).reshape(*masks.kv_bounds.shape[:-1], -1),
+      q_bounds=masks.q_bounds * size)

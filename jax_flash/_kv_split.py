@@ -30,7 +30,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _configs as configs, _head_packing as head_packing
+from jax_flash import _configs as configs
+from jax_flash._call import MaskOperands, sink_operand
 
 # Grid splits (H100, bench_decode.py, batch 8, 32 / 4 heads, hd128; the
 # numbers in docs/history.md, "Decoding"): from 1024 keys a split step beat
@@ -46,31 +47,33 @@ MAX_PARTS = 32
 # kv_split_size, so that a contiguous cache and the same cache in pages give
 # bitwise the same results (the sweep behind it: docs/history.md).
 KEYS_PER_SPLIT = 4096
-# The paged kernel's page granularity and head dims (cuda_src/fwd_sm90:
-# paged_kv.PAGE_BOX, tile_config.PAGED).
+# The paged kernel's page granularity (cuda_src/fwd_sm90: paged_kv.PAGE_BOX).
 PAGE_ROWS = 16
-PAGED_HEAD_DIMS = (64, 128, 256)
 
 
-def fixed_split_applies(q, k, v, call, *, has_segments: bool, hopper: bool) -> bool:
-  """Whether this forward call runs on ``fixed_split_forward``: a short query
-  (one tile of rows, after head packing) on Hopper whose rows all see every
-  key. Only the batch size decides beyond the shape of one sequence, and
-  only past the grid's limit (65535 sequences x splits)."""
-  if not (call.batch_invariant and hopper and call.backend == "gpu") or q.ndim != 4 or has_segments:
+def fixed_split_applies(q_shape: tuple, k_shape: tuple, head_dim_v: int, dtype, call, *,
+                        has_segments: bool, hopper: bool) -> bool:
+  """Whether a forward call on these shapes (q's after head packing, V's
+  head dim as the kernel gets it) runs on ``fixed_split_forward``: a short
+  query (one tile of rows) on Hopper whose rows all see every key. Only the
+  batch size decides beyond the shape of one sequence, and only past the
+  grid's limit (65535 sequences x splits)."""
+  if not (call.batch_invariant and hopper and call.backend == "gpu") or len(q_shape) != 4 or (
+      has_segments):
     return False
-  from jax_flash import _paged as paged  # paged imports ffi, which imports this module
+  from jax_flash import _paged as paged  # paged imports api, which imports this module
 
-  batch, seq_q = q.shape[:2]
-  seq_k = k.shape[1]
+  batch, seq_q = q_shape[:2]
+  seq_k = k_shape[1]
   splits = -(-seq_k // KEYS_PER_SPLIT)
-  return (batch * splits <= configs.MAX_GRID_YZ and 0 < seq_q < configs.BACKENDS["gpu"].query_tile_rows and seq_k % PAGE_ROWS == 0
-          and seq_k > 0 and head_packing.all_keys_visible(seq_q, seq_k, call)
-          and paged._CUDA_REGISTERED and q.dtype in (jnp.float16, jnp.bfloat16)
-          and q.shape[-1] == v.shape[-1] in PAGED_HEAD_DIMS)
+  return (batch * splits <= configs.MAX_GRID_YZ
+          and 0 < seq_q < configs.BACKENDS["gpu"].query_tile_rows and seq_k % PAGE_ROWS == 0
+          and seq_k > 0 and call.mask.all_keys_visible(seq_q, seq_k)
+          and paged._CUDA_REGISTERED and dtype in (jnp.float16, jnp.bfloat16)
+          and q_shape[-1] == head_dim_v in configs.PAGED_HEAD_DIMS)
 
 
-def fixed_split_forward(q, k, v, q_lens, kv_lens, call):
+def fixed_split_forward(q, k, v, masks, call):
   """The forward of ``fixed_split_applies`` calls: (out, lse) as the whole
   forward gives them (rows past ``q_lens`` zero, lse ``-inf``)."""
   from jax_flash import _paged as paged
@@ -80,8 +83,8 @@ def fixed_split_forward(q, k, v, q_lens, kv_lens, call):
   pages_per_row = seq_k // PAGE_ROWS
   as_pages = lambda x: x.reshape(batch * pages_per_row, PAGE_ROWS, heads_kv, x.shape[-1])
   table = jnp.arange(batch * pages_per_row, dtype=jnp.int32).reshape(batch, pages_per_row)
-  q_lens = jnp.clip(jnp.asarray(q_lens, jnp.int32), 0, seq_q)
-  kv_lens = jnp.clip(jnp.asarray(kv_lens, jnp.int32), 0, seq_k)
+  q_lens = jnp.clip(jnp.asarray(masks.q_lens, jnp.int32), 0, seq_q)
+  kv_lens = jnp.clip(jnp.asarray(masks.kv_lens, jnp.int32), 0, seq_k)
   out, lse = paged._paged_kernel(q, as_pages(k), as_pages(v), table, kv_lens, q_lens,
                                 scale=call.scale, softcap=call.softcap, window_left=-1,
                                 window_right=-1, split_keys=KEYS_PER_SPLIT, partitioned=False)
@@ -89,35 +92,37 @@ def fixed_split_forward(q, k, v, q_lens, kv_lens, call):
   return out, jnp.where(padding, -jnp.inf, lse)
 
 
-def parts(q, k, call, has_segments: bool) -> int:
-  """How many key chunks this forward call runs as (1: no split)."""
-  target = configs.BACKENDS[call.backend].kv_split_ctas
-  if not target or call.batch_invariant or q.ndim != 4 or has_segments:
+def parts(q_shape: tuple, k_shape: tuple, call, *, has_segments: bool, target_ctas: int) -> int:
+  """How many key chunks a forward call on these shapes (q's after head
+  packing) runs as (1: no split), aiming at ``target_ctas`` CTAs (0: never
+  split)."""
+  if not target_ctas or call.batch_invariant or len(q_shape) != 4 or has_segments:
     return 1
-  batch, seq_q, heads_q, _ = q.shape
-  seq_k = k.shape[1]
-  if seq_k < MIN_KEYS_TO_SPLIT or not head_packing.all_keys_visible(seq_q, seq_k, call):
+  batch, seq_q, heads_q, _ = q_shape
+  seq_k = k_shape[1]
+  if seq_k < MIN_KEYS_TO_SPLIT or not call.mask.all_keys_visible(seq_q, seq_k):
     return 1
   tile_rows = configs.BACKENDS[call.backend].query_tile_rows
   ctas = math.ceil(seq_q / max(tile_rows, 1)) * heads_q * batch
-  wanted = min(math.ceil(target / max(ctas, 1)), seq_k // MIN_CHUNK, MAX_PARTS)
+  wanted = min(math.ceil(target_ctas / max(ctas, 1)), seq_k // MIN_CHUNK, MAX_PARTS)
   # The largest divisor of seq_k not above the wanted count.
   return max((n for n in range(1, wanted + 1) if seq_k % n == 0), default=1)
 
 
-def split_forward(kernel_forward, q, k, v, q_lens, kv_lens, empty, call, n: int):
-  """``kernel_forward`` (ffi's unsplit forward) over ``n`` key chunks, merged;
-  ``empty``: its segment and sinks operands, all empty (the caller adds any
-  sinks to the merged result)."""
+def split_forward(kernel_forward, q, k, v, masks, call, n: int):
+  """``kernel_forward(q, k, v, masks, sinks, call)`` (the unsplit forward)
+  over ``n`` key chunks, merged; ``masks`` hold lengths only (the caller
+  adds any sinks to the merged result)."""
   batch, seq_q = q.shape[:2]
   seq_k = k.shape[1]
   chunk = seq_k // n
   as_chunks = lambda x: x.reshape(batch * n, chunk, *x.shape[2:])
   q_rep = jnp.broadcast_to(q[:, None], (batch, n, *q.shape[1:])).reshape(batch * n, *q.shape[1:])
   starts = jnp.arange(n, dtype=jnp.int32) * chunk
-  chunk_lens = jnp.clip(kv_lens[:, None] - starts[None], 0, chunk).reshape(batch * n)
-  out, lse = kernel_forward(q_rep, as_chunks(k), as_chunks(v), jnp.repeat(q_lens, n),
-                            chunk_lens, *empty, call)
+  chunk_lens = jnp.clip(masks.kv_lens[:, None] - starts[None], 0, chunk).reshape(batch * n)
+  chunk_masks = MaskOperands.build((batch * n,), jnp.repeat(masks.q_lens, n), chunk_lens)
+  out, lse = kernel_forward(q_rep, as_chunks(k), as_chunks(v), chunk_masks,
+                            sink_operand(None, q_rep), call)
   out = out.reshape(batch, n, *out.shape[1:])
   lse = lse.reshape(batch, n, *lse.shape[1:])  # [B, n, N, T]
   total = jax.nn.logsumexp(lse, axis=1)

@@ -37,6 +37,7 @@ from jax_flash import _paged_fp8 as paged_fp8
 from jax_flash import _reference as reference
 from jax_flash import _sharding as sharding
 from jax_flash import _validation as validation
+from jax_flash._call import Mask
 from jax_flash._sinks import add_sinks
 
 _PAGED_TARGET = "jax_flash_gpu_paged_fwd_v1"
@@ -141,9 +142,8 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
   shapes = _check_paged(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
                         kv_split_size)
   scale = validation.check_scale(scale, shapes["head_dim"])
-  window_left, window_right = validation.check_window(window, "window")
-  if validation.check_flag(causal, "causal"):
-    window_right = 0 if window_right < 0 else min(window_right, 0)
+  window = validation.check_window(window, "window")
+  visible = Mask.of(causal=validation.check_flag(causal, "causal"), window=window)
   softcap = validation.check_softcap(softcap)
   sinks = validation.check_sinks(sinks, jnp.shape(q)[2])
   batch, max_new = q.shape[:2]
@@ -153,7 +153,8 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
   query_lengths = jnp.asarray(query_lengths, jnp.int32)
   page_table = jnp.asarray(page_table, jnp.int32)
   platform = api._platform_of(q)
-  mask = dict(scale=scale, softcap=softcap, window_left=window_left, window_right=window_right)
+  mask = dict(scale=scale, softcap=softcap, window_left=visible.window_left,
+              window_right=visible.window_right)
   if implementation == "xla":
     attend = functools.partial(paged_attention_reference, **mask)
   else:

@@ -141,14 +141,14 @@ def _flat_batch(x, trailing: int):
 
 
 def _segments_or_none(q_ids, kv_ids):
-  if q_ids.shape[-1] == 0:  # ffi.no_segments
+  if q_ids.shape[-1] == 0:  # _call.MaskOperands without packed documents
     return None, None
   return _flat_batch(q_ids, 1), _flat_batch(kv_ids, 1)
 
 
 def forward_like_kernels(q, k, v, q_lens, kv_lens, q_ids, kv_ids, *, scale, diag_offset,
                          window_left, window_right, softcap):
-  """``attention_reference`` on the forward kernels' operands (ffi.forward:
+  """``attention_reference`` on the forward kernels' operands (_kernels.forward:
   any leading batch dims, segment ids of length 0 for none)."""
   lead = q.shape[:-3]
   q_segments, kv_segments = _segments_or_none(q_ids, kv_ids)
@@ -163,7 +163,7 @@ def forward_like_kernels(q, k, v, q_lens, kv_lens, q_ids, kv_ids, *, scale, diag
 def backward_like_kernels(q, k, v, dout, lse, delta, q_lens, kv_lens, q_ids, kv_ids, *, scale,
                           diag_offset, window_left, window_right, softcap):
   """The backward kernels' computation in XLA: (dq, dk, dv) from the saved lse
-  and ``delta = rowsum(dout * out) - dlse`` (ffi.backward's operands), dq in
+  and ``delta = rowsum(dout * out) - dlse`` (_kernels.backward's operands), dq in
   float32 or wider. The NaN semantics of ``attention_reference``: every
   product pairs only what the mask lets meet."""
   lead = q.shape[:-3]

@@ -56,13 +56,14 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_flash import _api as api
-from jax_flash import _ffi as ffi
 from jax_flash import _segments as segments
 from jax_flash import _sharding as sharding
 from jax_flash import _validation as validation
+from jax_flash._call import UNMASKED, KernelCall, Mask, MaskOperands, sink_operand
 from jax_flash._sinks import add_sinks
 
 LAYOUTS = ("contiguous", "zigzag")
+_CAUSAL = Mask(window_right=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,19 +77,18 @@ class _Ring:
   chunk_k: int  # key positions per chunk
   backend: str
   scale: float
-  window_left: int  # -1: unbounded
-  window_right: int  # -1: unbounded
+  mask: Mask  # on the global sequence (self-attention: diag_offset 0)
   softcap: float = 0.0
   deterministic: bool = False
 
-  def call(self, diag_offset: int, window_left: int, window_right: int) -> ffi.KernelCall:
-    return ffi.KernelCall(self.backend, self.scale, diag_offset, window_left, window_right,
-                          softcap=self.softcap, deterministic=self.deterministic)
+  def call(self, mask: Mask) -> KernelCall:
+    return KernelCall(self.backend, self.scale, mask, softcap=self.softcap,
+                      deterministic=self.deterministic)
 
   @property
   def zigzag_causal(self) -> bool:
     """Whether the fixed zig-zag causal schedule applies (module docstring)."""
-    return (self.layout == "zigzag" and self.window_left < 0 and self.window_right == 0
+    return (self.layout == "zigzag" and self.mask == _CAUSAL
             and self.chunk_q == self.chunk_k)
 
   @property
@@ -109,7 +109,7 @@ class _Ring:
     """For each chunk distance ``d = q_chunk - k_chunk`` (offset by
     ``num_chunks - 1``), the index of its call in the returned list; a call is
     a KernelCall or None for a fully masked pair."""
-    unmasked = self.call(0, -1, -1)
+    unmasked = self.call(UNMASKED)
     calls, table = [None], []
     for d in range(1 - self.num_chunks, self.num_chunks):
       call = self._call_at(d, unmasked)
@@ -118,20 +118,21 @@ class _Ring:
       table.append(calls.index(call))
     return np.asarray(table, np.int32), calls
 
-  def _call_at(self, d: int, unmasked: ffi.KernelCall):
-    if self.window_left < 0 and self.window_right < 0:
+  def _call_at(self, d: int, unmasked: KernelCall):
+    if not self.mask.windowed:
       return unmasked
     # Row r sees column t when lo <= t - r - offset <= hi; across a chunk
     # pair t - r spans [-(c-1), c-1].
     c, offset = self.chunk_q, d * self.chunk_q
-    lo = -self.window_left if self.window_left >= 0 else -np.inf
-    hi = self.window_right if self.window_right >= 0 else np.inf
+    left, right = self.mask.window_left, self.mask.window_right
+    lo = -left if left >= 0 else -np.inf
+    hi = right if right >= 0 else np.inf
     u_min, u_max = -(c - 1) - offset, (c - 1) - offset
     if u_max < lo or u_min > hi:
       return None
     if u_min >= lo and u_max <= hi:
       return unmasked
-    return self.call(offset, self.window_left, self.window_right)
+    return self.call(dataclasses.replace(self.mask, diag_offset=offset))
 
 
 def _split(x, parts: int, axis: int) -> list:
@@ -140,10 +141,6 @@ def _split(x, parts: int, axis: int) -> list:
 
 def _concat(xs: list, axis: int):
   return jnp.concatenate(xs, axis=axis) if len(xs) > 1 else xs[0]
-
-
-def _lengths(x, size: int):
-  return jnp.full((x.shape[0],), size, jnp.int32)
 
 
 def _hop(ring: _Ring, *xs):
@@ -169,13 +166,13 @@ def _split_segments(segment_ids, parts: int) -> list:
   return [None] * parts if segment_ids is None else _split(segment_ids, parts, 1)
 
 
-def _segment_operands(q, q_segments, kv_segments):
-  """The packed-document operands of one (query chunk, key chunk) call: the
-  bounds are positions within these two chunks, as the kernel indexes them."""
-  if q_segments is None:
-    return ffi.no_segments(q)
-  bounds = segments.segment_bounds(q_segments, kv_segments)
-  return ffi.segment_operands(q_segments, kv_segments, *bounds)
+def _masks(q, k, q_segments, kv_segments) -> MaskOperands:
+  """The mask operands of one (query chunk, key chunk) call: whole lengths,
+  document bounds that are positions within these two chunks, as the kernel
+  indexes them."""
+  lengths = lambda x: jnp.full((x.shape[0],), x.shape[1], jnp.int32)
+  bounds = None if q_segments is None else segments.segment_bounds(q_segments, kv_segments)
+  return MaskOperands.build(q.shape[:1], lengths(q), lengths(k), q_segments, kv_segments, bounds)
 
 
 def _pair(ring: _Ring, d, run_call, skip, *operands):
@@ -205,9 +202,8 @@ def _ring_forward(q, k, v, segment_ids, ring: _Ring):
   batch, _, heads_q, _ = q.shape
 
   def run_call(call, q, k, v, q_segments, kv_segments):
-    return sharding.forward(q, k, v, _lengths(q, q.shape[1]), _lengths(k, k.shape[1]),
-                            *_segment_operands(q, q_segments, kv_segments),
-                            ffi.no_sinks(q), call)
+    return sharding.forward(q, k, v, _masks(q, k, q_segments, kv_segments),
+                            sink_operand(None, q), call)
 
   def skip(call, q, k, v, q_segments, kv_segments):
     del call
@@ -248,9 +244,8 @@ def _ring_backward(q, k, v, segment_ids, dout, lse, delta, ring: _Ring):
   q_segment_chunks = _split_segments(q_segments, parts)
 
   def run_call(call, q, k, v, dout, lse, delta, q_segments, kv_segments):
-    return sharding.backward(q, k, v, dout, lse, delta, _lengths(q, q.shape[1]),
-                             _lengths(k, k.shape[1]),
-                             *_segment_operands(q, q_segments, kv_segments), call)
+    return sharding.backward(q, k, v, dout, lse, delta, _masks(q, k, q_segments, kv_segments),
+                             call)
 
   def skip(call, q, k, v, dout, lse, delta, q_segments, kv_segments):
     del call
@@ -323,16 +318,14 @@ def _zigzag_causal_forward(q, k, v, segment_ids, ring: _Ring):
   q_segments, kv_segments = (None, None) if segment_ids is None else segment_ids
   q_early, q_late = _early_late(q)
   qs_early, qs_late = _early_late(q_segments)
-  causal, full = ring.call(0, -1, 0), ring.call(0, -1, -1)
+  causal, full = ring.call(_CAUSAL), ring.call(UNMASKED)
   # The late chunk against its own whole block (early keys, then its own
   # chunk) is one bottom-right causal call: key j' of the block is visible
   # from row r iff j' <= r + chunk.
-  late_on_own = ring.call(ring.chunk_k, -1, 0)
+  late_on_own = ring.call(dataclasses.replace(_CAUSAL, diag_offset=ring.chunk_k))
 
   def attend(call, q, k, v, q_seg, kv_seg):
-    return sharding.forward(q, k, v, _lengths(q, q.shape[1]), _lengths(k, k.shape[1]),
-                            *_segment_operands(q, q_seg, kv_seg), ffi.no_sinks(q),
-                            call)
+    return sharding.forward(q, k, v, _masks(q, k, q_seg, kv_seg), sink_operand(None, q), call)
 
   # Every partial result is kept (in the input dtype) and merged once at the
   # end: merging after each call cost a read and write of a float32
@@ -379,14 +372,12 @@ def _zigzag_causal_backward(q, k, v, segment_ids, dout, lse, delta, ring: _Ring)
   row_operands = ((q, 1), (dout, 1), (lse, 2), (delta, 2), (q_segments, 1))
   early_rows, late_rows = (tuple(_early_late(x, axis)[half] for x, axis in row_operands)
                            for half in (0, 1))
-  causal, full = ring.call(0, -1, 0), ring.call(0, -1, -1)
-  late_on_own = ring.call(ring.chunk_k, -1, 0)  # as in _zigzag_causal_forward
+  causal, full = ring.call(_CAUSAL), ring.call(UNMASKED)
+  late_on_own = ring.call(dataclasses.replace(_CAUSAL, diag_offset=ring.chunk_k))  # as in the forward
 
   def grads(call, rows, k, v, kv_seg):
     q, dout, lse, delta, q_seg = rows
-    dq, dk, dv = sharding.backward(q, k, v, dout, lse, delta, _lengths(q, q.shape[1]),
-                                   _lengths(k, k.shape[1]),
-                                   *_segment_operands(q, q_seg, kv_seg), call)
+    dq, dk, dv = sharding.backward(q, k, v, dout, lse, delta, _masks(q, k, q_seg, kv_seg), call)
     return dq, dk.astype(jnp.float32), dv.astype(jnp.float32)
 
   block = (k, v, kv_segments)
@@ -473,12 +464,10 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, window=None,
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
   shapes = validation.check_qkv(q, k, v)
   scale = validation.check_scale(scale, shapes.head_dim)
-  window_left, window_right = validation.check_window(window, "window")
+  window = validation.check_window(window, "window")
   q_segments, kv_segments = validation.check_segment_ids(segment_ids, shapes)
-  if causal:
-    window_right = 0 if window_right < 0 else min(window_right, 0)
-  masked = window_left >= 0 or window_right >= 0
-  if masked and shapes.seq_q != shapes.seq_k:
+  mask = Mask.of(causal=causal, window=window)
+  if mask.windowed and shapes.seq_q != shapes.seq_k:
     raise ValueError("causal or windowed ring attention needs q and k/v blocks of one length "
                      f"(self-attention), got seq_q={shapes.seq_q}, seq_k={shapes.seq_k}")
   parts = 2 if layout == "zigzag" else 1
@@ -494,7 +483,7 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, window=None,
                      "shard_map, or use ring_attention_sharded") from None
   ring = _Ring(axis_name=axis_name, axis_size=axis_size, layout=layout,
                chunk_q=shapes.seq_q // parts, chunk_k=shapes.seq_k // parts, backend=backend,
-               scale=scale, window_left=window_left, window_right=window_right,
+               scale=scale, mask=mask,
                softcap=validation.check_softcap(softcap),
                deterministic=validation.check_flag(deterministic, "deterministic"))
   sinks = validation.check_sinks(sinks, shapes.heads_q)

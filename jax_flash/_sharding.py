@@ -34,6 +34,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_flash import _ffi as ffi
+from jax_flash import _kernels as kernels
+from jax_flash._call import MASK_ARRAYS, MaskOperands
 
 _LEADING = "b"  # factor name prefix for the batch dims (more than one under vmap)
 
@@ -122,12 +124,25 @@ def _partitioned(kernel, direction: str, operands: str, results: str):
   return run
 
 
+def _on_flat_arrays(kernel, masks_at: int):
+  """``kernel(*arrays, masks, *more, call)`` taking its MaskOperands as
+  ``MASK_ARRAYS`` arrays from position ``masks_at``: custom_partitioning and
+  custom_vmap take flat operand lists."""
+
+  def run(*args):
+    *arrays, call = args
+    masks = MaskOperands(*arrays[masks_at:masks_at + MASK_ARRAYS])
+    return kernel(*arrays[:masks_at], masks, *arrays[masks_at + MASK_ARRAYS:], call)
+
+  return run
+
+
 _forward = _partitioned(
-    ffi.forward, "forward",
+    _on_flat_arrays(kernels.forward, 3), "forward",
     "B t (k g) h, B s k h, B s k d, B, B, B i, B j, B m, B n, B (k g) u",
     "B t (k g) d, B (k g) t")
 _backward = _partitioned(
-    ffi.backward, "backward",
+    _on_flat_arrays(kernels.backward, 6), "backward",
     "B t (k g) h, B s k h, B s k d, B t (k g) d, B (k g) t, B (k g) t, B, B, B i, B j, B m, B n",
     "B t (k g) h, B s k h, B s k d")
 
@@ -158,7 +173,7 @@ def _sharded(fn, cotangents: bool):
   """
 
   @functools.cache
-  def for_call(call: ffi.KernelCall):
+  def for_call(call):
     @jax.custom_batching.custom_vmap
     def run(*args):
       return fn(*args, call)
@@ -173,7 +188,8 @@ def _sharded(fn, cotangents: bool):
     return run
 
   def apply(*args):
-    *arrays, call = args
+    *operands, call = args
+    arrays = jax.tree.leaves(operands)  # MaskOperands' arrays in field order
     explicit = _explicit_specs(*arrays[:3])
     if explicit is None:
       return match_varying(for_call(call)(*arrays), arrays)
@@ -195,6 +211,8 @@ def _sharded(fn, cotangents: bool):
   return apply
 
 
+# forward(q, k, v, masks, sinks, call) and backward(q, k, v, dout, lse,
+# delta, masks, call): _kernels' on sharded arrays.
 forward = _sharded(_forward, cotangents=False)
 backward = _sharded(_backward, cotangents=True)
 

@@ -7,9 +7,9 @@ exp(lse - lse_s) = sigmoid(lse - sink)``,
   ``lse_s = logaddexp(lse, sink)``, ``out_s = w * out``.
 
 The Hopper forward kernel does this in its epilogue
-(cuda_src/fwd_sm90/output_tile.py) where ``_ffi.kernel_applies_sinks``
-says so; every other forward call (other backends, packed GQA heads, split
-keys) gets it here, after the call. Ring and paged attention, which merge
+(cuda_src/fwd_sm90/output_tile.py) where the forward plan says so
+(``_plan.ForwardPlan.kernel_adds_sinks``); every other forward call (other
+backends, packed GQA heads, split keys) gets it here, after the call. Ring and paged attention, which merge
 partial results, add the sinks to the merged one. The kernels' backward
 needs nothing of the sinks: it takes ``out_s`` and ``lse_s`` (vjp.py), and
 the sinks' own gradient comes from per-row quantities (vjp.py:

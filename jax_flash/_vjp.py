@@ -8,7 +8,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _ffi as ffi, _sharding as sharding
+from jax_flash import _kernels as kernels, _sharding as sharding
+from jax_flash._call import KernelCall, MaskOperands, PerPlatform, runs_kernels
 
 _SECOND_ORDER = (
     "jax_flash: second-order gradients (the gradient of a gradient, Hessians) of attention "
@@ -32,36 +33,29 @@ def _first_order_only(kernel):
   return lambda *args: run(args[-1], *args[:-1])
 
 
-def _runs_kernels(call) -> bool:
-  """Whether ``call`` may run a kernel; one that runs plain XLA everywhere
-  stays out of the sharding machinery (XLA partitions its operations
-  itself) and may be differentiated again."""
-  return not (isinstance(call, ffi.KernelCall) and call.backend == "xla")
-
-
 _kernel_forward = _first_order_only(sharding.forward)
 _kernel_backward = _first_order_only(sharding.backward)
 
 
+# A call that runs plain XLA everywhere stays out of the sharding machinery
+# (XLA partitions its operations itself) and may be differentiated again.
 def _run_forward(*args):
-  return (_kernel_forward if _runs_kernels(args[-1]) else ffi.forward)(*args)
+  return (_kernel_forward if runs_kernels(args[-1]) else kernels.forward)(*args)
 
 
 def _run_backward(*args):
-  return (_kernel_backward if _runs_kernels(args[-1]) else ffi.backward)(*args)
+  return (_kernel_backward if runs_kernels(args[-1]) else kernels.backward)(*args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
-def flash_attention(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, sinks,
-                    call: ffi.KernelCall | ffi.PerPlatform):
-  """Returns (out, lse) from the kernels ``call`` names, the sinks included;
-  the operands are those of ``ffi.forward``."""
-  return _run_forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, sinks, call)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def flash_attention(q, k, v, masks: MaskOperands, sinks, call: KernelCall | PerPlatform):
+  """Returns (out, lse) from the kernels ``call`` names, the sinks
+  (_call.sink_operand) included."""
+  return _run_forward(q, k, v, masks, sinks, call)
 
 
-def _forward(q, k, v, q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds, sinks, call):
-  masks = (q_lens, kv_lens, q_ids, kv_ids, kv_bounds, q_bounds)
-  out, lse = _run_forward(q, k, v, *masks, sinks, call)
+def _forward(q, k, v, masks, sinks, call):
+  out, lse = _run_forward(q, k, v, masks, sinks, call)
   return (out, lse), (q, k, v, out, lse, masks, sinks)
 
 
@@ -75,13 +69,12 @@ def _backward(call, residuals, cotangents):
   acc = lse.dtype
   delta = jnp.einsum("...tnh,...tnh->...nt", dout.astype(acc), out.astype(acc))
   delta = delta - dlse.astype(acc)
-  dq, dk, dv = _run_backward(q, k, v, dout.astype(q.dtype), lse, delta, *masks, call)
-  return ((dq.astype(q.dtype), dk, dv) + (None,) * len(masks)
-          + (_sink_gradient(sinks, lse, delta),))
+  dq, dk, dv = _run_backward(q, k, v, dout.astype(q.dtype), lse, delta, masks, call)
+  return dq.astype(q.dtype), dk, dv, None, _sink_gradient(sinks, lse, delta)
 
 
 def _sink_gradient(sinks, lse, delta):
-  """d loss / d sinks ([..., N, 1], ffi.sink_operand's layout; empty without
+  """d loss / d sinks ([..., N, 1], _call.sink_operand's layout; empty without
   sinks). A row's sink probability p = exp(sink - lse) moves its lse by p
   and its output by -p * out per unit of sink, so the row adds p * (dlse -
   rowsum(dout * out)) = -p * delta. A row that sees no key has lse = sink

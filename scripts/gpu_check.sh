@@ -13,12 +13,14 @@
 # with PYTHONSAFEPATH=1, so that the source tree's jax_flash/ does not shadow
 # the installed package.
 #
-# The GPU tests take about 720 s with 14 workers (H100, 2026-11-27: 442 s and
-# 282 s for the two halves below), more than a 600 s call: TESTS_K="EXPR"
-# keeps the tests that also match a pytest -k expression and SANITIZE=0 skips
-# the sanitizers (run them in one of the calls). Two halves, of 101 and 138 tests:
-#   TESTS_K="reference or every_head_dim or softcap or awkward"
-#   TESTS_K="not (reference or every_head_dim or softcap or awkward)"
+# The GPU tests (every test marked gpu) take about 970 s with 14 workers, more
+# than a 600 s call (H200, 2026-11-28: 170 s, 451 s and 353 s for the three
+# parts below, 98, 107 and 108 tests). TESTS_PART picks one; SANITIZE=0 skips
+# the sanitizers (run them in one of the calls):
+#   TESTS_PART=rest       every gpu test outside test_backends.py
+#   TESTS_PART=backends1  test_backends.py -k "reference or every_head_dim or softcap or awkward"
+#   TESTS_PART=backends2  test_backends.py, the others
+# TESTS_K="EXPR" further keeps the tests that match a pytest -k expression.
 #
 # AOT_DIR holds what CMake's AOT step made (the lib<family>_<arch>.a archives,
 # their header folders) plus libcuda_dialect_runtime_static.a; make it with
@@ -72,8 +74,17 @@ if [[ $STAGE == tests || $STAGE == all ]]; then
   done
   step "GPU tests"
   export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several test processes share the GPU
-  "$PYTHON" -m pytest tests/test_backends.py tests/test_errors.py tests/test_cuda_graphs.py \
-      tests/test_mla.py -k "(Gpu or errors or graphs) and (${TESTS_K:-not no_such_test})" -v -n 14 -p no:cacheprovider --maxfail=20 --durations=5 \
+  half="reference or every_head_dim or softcap or awkward"
+  case ${TESTS_PART:-all} in
+    all) part=(tests); k="" ;;
+    rest) part=(tests --ignore=tests/test_backends.py); k="" ;;
+    backends1) part=(tests/test_backends.py); k="($half)" ;;
+    backends2) part=(tests/test_backends.py); k="not ($half)" ;;
+    *) echo "TESTS_PART must be all, rest, backends1 or backends2, got $TESTS_PART"; exit 2 ;;
+  esac
+  [[ -n ${TESTS_K:-} ]] && k="${k:+$k and }(${TESTS_K})"
+  [[ -n $k ]] && part+=(-k "$k")
+  "$PYTHON" -m pytest -m gpu "${part[@]}" -v -n 14 -p no:cacheprovider --maxfail=20 --durations=5 \
       >"$OUT/tests.log" 2>&1
   # One line per test in the log (a cut-off run shows which ran); failures and the summary here.
   grep -E "FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -25

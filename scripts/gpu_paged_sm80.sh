@@ -41,7 +41,7 @@ print("jax_flash from", jax_flash.__file__, "| paged GPU kernels registered:", _
 PY
 lap check
 timeout "$(left)" "$PYTHON" -m pytest -v -rf -n 8 -p no:cacheprovider --maxfail=30 \
-    tests/test_paged.py tests/test_paged_sinks.py tests/test_backends.py \
+    tests/test_paged.py tests/test_paged_sm80.py tests/test_paged_sinks.py tests/test_backends.py \
     -k "PagedGpu or PagedSm80Gpu or PagedSinksGpu or gpu_kernel_reasons or (Gpu and fallback_kernels)" \
     >"$OUT/tests.log" 2>&1
 echo "pytest exit $?"

@@ -145,7 +145,7 @@ class AttentionTestBase(SinksSpec):  # attention sinks: tests/attention_sinks.py
   def test_smaller_value_head_dim(self, dtype, case):
     # DeepSeek's prefill shape, queries and keys 192 wide and values 128, has
     # kernels of its own on Hopper, but for the backward of deterministic
-    # packed documents (configs.sm90_backward_serves); elsewhere V is padded.
+    # packed documents (the library says: _plan._sm90_backward); elsewhere V is padded.
     kw = dict(head_dim=192, head_dim_v=128, dtype=dtype)
     if case in ("full", "causal"):
       self.check(seq_q=200, seq_k=333, causal=case == "causal", **kw)
@@ -241,7 +241,7 @@ class AttentionTestBase(SinksSpec):  # attention sinks: tests/attention_sinks.py
     assert np.all(np.isneginf(lse[1])) and np.all(np.isneginf(lse[2]))
 
   def test_lengths_past_the_sequence_cover_it(self):
-    # The default lengths (api._whole_lengths) rely on this.
+    # The default lengths (_call.whole_lengths) rely on this.
     q, k, v, _ = numerics.random_qkv(0, 2, 113, 241, 4, 2, 64, self.dtypes[0])
     attend = functools.partial(jax_flash.attention, q, k, v, causal=True,
                                implementation=self.implementation)

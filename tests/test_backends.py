@@ -15,6 +15,8 @@ import sys
 import jax.numpy as jnp
 import pytest
 
+from jax_flash import _configs as configs
+
 from attention_base import AttentionTestBase
 
 
@@ -123,6 +125,6 @@ class TestXla(AttentionTestBase):
 class TestGpu(AttentionTestBase):
   implementation = "gpu"
   dtypes = (jnp.bfloat16, jnp.float16)
-  head_dims = (64, 96, 128, 192, 256)
+  head_dims = configs.GPU.head_dims
   deterministic_backward = False  # dQ is accumulated with fp32 atomics
   sectioned_grid = (2050, 7000)

@@ -11,16 +11,18 @@ import pytest
 import jax_flash
 import numerics
 from jax_flash import _ffi as ffi
+from jax_flash import _gpu_support as gpu_support
 from jax_flash import _head_packing as head_packing
 from jax_flash import _kv_split as kv_split
 from jax_flash import _paged as paged
+from jax_flash._call import KernelCall, Mask, MaskOperands, sink_operand
 
 
 def group(seq_q, diag_offset, window_left, window_right, heads_kv=2, seq_k=100):
   q = jax.ShapeDtypeStruct((2, seq_q, 8, 64), np.float32)
   k = jax.ShapeDtypeStruct((2, seq_k, heads_kv, 64), np.float32)
-  call = ffi.KernelCall("gpu", 0.125, diag_offset, window_left, window_right)
-  return head_packing.group(q, k, call)
+  call = KernelCall("gpu", 0.125, Mask(diag_offset, window_left, window_right))
+  return head_packing.group(q.shape, k.shape, call)
 
 
 @pytest.mark.parametrize("args,expected", [
@@ -52,23 +54,30 @@ def test_round_trips():
 
 
 def test_kv_split_parts():
-  q = jax.ShapeDtypeStruct((2, 4, 2, 64), np.float32)  # packed: 2 kv heads
-  k = jax.ShapeDtypeStruct((2, 4096, 2, 64), np.float32)
-  gpu = ffi.KernelCall("gpu", 0.125, 0, -1, -1)
-  assert kv_split.parts(q, k, gpu, has_segments=False) == 16  # 4 CTAs; 4096 // 256 keys
-  # 32 CTAs: 4 chunks make one wave of configs' 132 CTAs (kv_split.py's measurements).
-  batch8 = jax.ShapeDtypeStruct((8, 8, 4, 128), np.float32)
-  long_k = jax.ShapeDtypeStruct((8, 16384, 4, 128), np.float32)
-  assert kv_split.parts(batch8, long_k, gpu, has_segments=False) == 4
-  mid = jax.ShapeDtypeStruct((2, 2048, 2, 64), np.float32)
-  assert kv_split.parts(q, mid, gpu, has_segments=False) == 8  # 2048 // 256 keys
-  short = jax.ShapeDtypeStruct((2, 512, 2, 64), np.float32)
-  assert kv_split.parts(q, short, gpu, has_segments=False) == 1  # below MIN_KEYS_TO_SPLIT
-  assert kv_split.parts(q, k, gpu, has_segments=True) == 1
-  assert kv_split.parts(q, k, ffi.KernelCall("gpu", 0.125, 4092, -1, 0), False) == 1  # causal
-  assert kv_split.parts(q, k, ffi.KernelCall("cpu", 0.125, 0, -1, -1), False) == 1
-  odd = jax.ShapeDtypeStruct((2, 4099, 2, 64), np.float32)  # prime: no reshape into chunks
-  assert kv_split.parts(q, odd, gpu, has_segments=False) == 1
+  q = (2, 4, 2, 64)  # packed: 2 kv heads
+  k = (2, 4096, 2, 64)
+  gpu = KernelCall("gpu", 0.125)
+  # One wave of an H100's 132 SMs (kv_split.py's measurements).
+  parts = functools.partial(kv_split.parts, target_ctas=132)
+  assert parts(q, k, gpu, has_segments=False) == 16  # 4 CTAs; 4096 // 256 keys
+  # 32 CTAs: 4 chunks make one wave.
+  assert parts((8, 8, 4, 128), (8, 16384, 4, 128), gpu, has_segments=False) == 4
+  assert parts(q, (2, 2048, 2, 64), gpu, has_segments=False) == 8  # 2048 // 256 keys
+  assert parts(q, (2, 512, 2, 64), gpu, has_segments=False) == 1  # below MIN_KEYS_TO_SPLIT
+  assert parts(q, k, gpu, has_segments=True) == 1
+  assert parts(q, k, KernelCall("gpu", 0.125, Mask(4092, -1, 0)), has_segments=False) == 1  # causal
+  assert parts(q, k, gpu, has_segments=False, target_ctas=0) == 1  # the CPU's: never
+  odd = (2, 4099, 2, 64)  # prime: no reshape into chunks
+  assert parts(q, odd, gpu, has_segments=False) == 1
+
+
+def test_split_target_is_the_devices_sm_count():
+  """A split aims at one wave of the GPU it runs on; lowering for CUDA
+  without one, at an H100's (132 SMs). The CPU kernels never split."""
+  gpus = jax.devices("gpu") if jax.default_backend() == "gpu" else []
+  sms = gpus[0].core_count if gpus else 132
+  assert gpu_support.split_target("gpu") == sms
+  assert gpu_support.split_target("cpu") == 0
 
 
 @pytest.mark.parametrize("parts", [2, 8])
@@ -81,10 +90,10 @@ def test_kv_split_matches_whole_forward(parts):
              for shape in ((3, 5, 4, 32), (3, 512, 4, 32), (3, 512, 4, 32)))
   q_lens = jax.device_put(np.array([5, 5, 2], np.int32), cpu)
   kv_lens = jax.device_put(np.array([512, 77, 0], np.int32), cpu)
-  call = ffi.KernelCall("cpu", 0.2, 0, -1, -1)
-  empty = (*ffi.no_segments(q), ffi.no_sinks(q))
-  want_out, want_lse = ffi._forward(q, k, v, q_lens, kv_lens, *empty, call)
-  out, lse = kv_split.split_forward(ffi._forward, q, k, v, q_lens, kv_lens, empty, call, parts)
+  call = KernelCall("cpu", 0.2)
+  masks = MaskOperands.build((3,), q_lens, kv_lens)
+  want_out, want_lse = ffi.forward_kernel(q, k, v, masks, sink_operand(None, q), call)
+  out, lse = kv_split.split_forward(ffi.forward_kernel, q, k, v, masks, call, parts)
   np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(lse, want_lse, atol=1e-5, rtol=1e-5)
   assert np.all(np.asarray(out)[2] == 0) and np.all(np.isneginf(np.asarray(lse)[2]))
@@ -94,13 +103,13 @@ def test_fixed_split_routing(monkeypatch):
   # Which calls take the batch-invariant path: decided by one sequence's
   # shape, never by the batch (below the grid's limit).
   monkeypatch.setattr(paged, "_CUDA_REGISTERED", True)
-  gpu = ffi.KernelCall("gpu", 0.1, 0, -1, -1, batch_invariant=True)
+  gpu = KernelCall("gpu", 0.1, batch_invariant=True)
 
   def applies(batch=2, rows=4, seq_k=4096, head_dim=128, dtype=jnp.bfloat16, call=gpu,
               hopper=True, has_segments=False):
-    q = jax.ShapeDtypeStruct((batch, rows, 2, head_dim), dtype)
-    k = jax.ShapeDtypeStruct((batch, seq_k, 2, head_dim), dtype)
-    return kv_split.fixed_split_applies(q, k, k, call, has_segments=has_segments, hopper=hopper)
+    q, k = (batch, rows, 2, head_dim), (batch, seq_k, 2, head_dim)
+    return kv_split.fixed_split_applies(q, k, head_dim, dtype, call, has_segments=has_segments,
+                                        hopper=hopper)
 
   assert applies() and applies(batch=1) and applies(batch=512) and applies(seq_k=16)
   assert applies(batch=65535 // 2, seq_k=8192) and not applies(batch=65535 // 2 + 1, seq_k=8192)
@@ -109,13 +118,12 @@ def test_fixed_split_routing(monkeypatch):
   assert not applies(rows=128)  # a prefill tile: no split
   assert not applies(head_dim=96) and not applies(dtype=jnp.float32)
   assert not applies(has_segments=True)
-  assert not applies(call=ffi.KernelCall("gpu", 0.1, 4092, -1, 0, batch_invariant=True))
-  assert not applies(call=ffi.KernelCall("cpu", 0.1, 0, -1, -1, batch_invariant=True))
-  assert not applies(call=ffi.KernelCall("gpu", 0.1, 0, -1, -1))  # not asked for
+  assert not applies(call=KernelCall("gpu", 0.1, Mask(4092, -1, 0), batch_invariant=True))
+  assert not applies(call=KernelCall("cpu", 0.1, batch_invariant=True))
+  assert not applies(call=KernelCall("gpu", 0.1))  # not asked for
   # Asked for, the grid split is off everywhere.
-  q = jax.ShapeDtypeStruct((1, 4, 2, 64), np.float32)
-  k = jax.ShapeDtypeStruct((1, 4096, 2, 64), np.float32)
-  assert kv_split.parts(q, k, gpu, has_segments=False) == 1
+  assert kv_split.parts((1, 4, 2, 64), (1, 4096, 2, 64), gpu, has_segments=False,
+                        target_ctas=132) == 1
 
 
 def test_batch_invariant_on_cpu_and_its_errors():

@@ -11,10 +11,18 @@ import pytest
 
 import jax_flash
 import jax_flash._configs
-from jax_flash import _api as api, _ffi as ffi, _reference as reference, _validation as validation
+from jax_flash import _api as api, _ffi as ffi, _kernels as kernels, _plan as plan
+from jax_flash import _reference as reference, _validation as validation
+from jax_flash._call import KernelCall, Mask, MaskOperands, sink_operand
 
 import numerics
 from attention_base import run_attention
+
+
+def _masks(q_lens, kv_lens, q_ids=None):
+  """Lengths (and segment ids) as the kernels take them, batch first."""
+  bounds = None if q_ids is None else (jnp.zeros((*q_ids.shape, 2), jnp.int32),) * 2
+  return MaskOperands.build(q_lens.shape, q_lens, kv_lens, q_ids, q_ids, bounds)
 
 
 def qkv(q_shape=(2, 16, 4, 64), k_shape=(2, 16, 2, 64), v_shape=None, dtype=jnp.float32):
@@ -103,12 +111,10 @@ def test_handler_rejects_bad_options():
   """Options reaching the handler unchecked (a hand-built call) still fail cleanly."""
   cpu = jax.devices("cpu")[0]
   q, k, v = jax.device_put(qkv(), cpu)
-  call = ffi.KernelCall(backend="cpu", scale=0.125, diag_offset=0, window_left=-1,
-                        window_right=-1, softcap=-2.0)
+  call = KernelCall(backend="cpu", scale=0.125, softcap=-2.0)
   lens = jax.device_put((jnp.full((2,), 16, jnp.int32),) * 2, cpu)
   with pytest.raises(Exception, match=r"jax_flash: softcap must be finite and >= 0"):
-    jax.block_until_ready(ffi.forward(q, k, v, *lens, *ffi.no_segments(q), ffi.no_sinks(q),
-                                      call))
+    jax.block_until_ready(kernels.forward(q, k, v, _masks(*lens), sink_operand(None, q), call))
 
 
 @pytest.mark.gpu
@@ -123,11 +129,10 @@ def test_gpu_handler_rejects_bad_sinks(sinks, seq_k, match):
   Python plan, fail cleanly."""
   q = jnp.zeros((2, 16, 4, 64), jnp.bfloat16)
   k = v = jnp.zeros((2, seq_k, 2, 64), jnp.bfloat16)
-  call = ffi.KernelCall(backend="gpu", scale=0.125, diag_offset=0, window_left=-1,
-                        window_right=-1)
+  call = KernelCall(backend="gpu", scale=0.125)
   lens = (jnp.full((2,), 16, jnp.int32), jnp.full((2,), seq_k, jnp.int32))
   with pytest.raises(Exception, match=match):
-    jax.block_until_ready(ffi._forward(q, k, v, *lens, *ffi.no_segments(q), sinks, call))
+    jax.block_until_ready(ffi.forward_kernel(q, k, v, _masks(*lens), sinks, call))
 
 
 def test_unknown_implementation():
@@ -146,20 +151,53 @@ def test_gpu_value_head_dim():
   gpu = jax_flash._configs.GPU
   assert gpu.unsupported_reason(jnp.bfloat16, 192, 128) is None
   assert gpu.value_padding(192, 128) == 64 and gpu.value_padding(128, 128) == 0
-  # DeepSeek's 192 / 128 has Hopper kernels of its own; other pairs pad.
-  assert gpu.value_padding(192, 128, hopper_kernels=True) == 0
-  assert gpu.value_padding(256, 128, hopper_kernels=True) == 128
-  # The Hopper backward hands what it has no variant for to the sm80 kernels.
-  serves = functools.partial(jax_flash._configs.sm90_backward_serves, deterministic=False,
-                             has_segments=False, softcap=False, batch=2, heads_kv=8)
-  assert serves() and serves(deterministic=True) and serves(has_segments=True)
-  assert serves(softcap=True)
-  assert not serves(deterministic=True, has_segments=True)
-  assert not serves(softcap=True, deterministic=True) and not serves(softcap=True, has_segments=True)
-  assert not serves(batch=65536) and not serves(heads_kv=65536)
   assert jax_flash._configs.CPU.value_padding(192, 128) == 0
   reason = gpu.unsupported_reason(jnp.bfloat16, 128, 192)
   assert reason == "the gpu kernels need head_dim_v <= head_dim, got head_dim=128, head_dim_v=192"
+
+
+# The plans ask the compiled library which Hopper variants exist.
+needs_library = pytest.mark.skipif(not ffi.cuda_kernels_available(),
+                                   reason="this installation holds no CUDA kernels")
+
+
+@needs_library
+def test_hopper_variants_are_the_librarys():
+  """Which calls the Hopper kernels take, as the compiled library says
+  (kernel_api.h: the has_variant queries)."""
+  # DeepSeek's 192 / 128 has Hopper kernels of its own; other narrower V pad.
+  forward = functools.partial(ffi.sm90_forward_has_variant, "bfloat16")
+  assert forward(192, 128, False) and forward(192, 128, True) and not forward(256, 128, False)
+  # The Hopper backward hands what it has no variant for to the sm80 kernels.
+  backward = lambda dims=(128, 128), det=False, seg=False, cap=False: (
+      ffi.sm90_backward_has_variant("bfloat16", *dims, det, seg, cap))
+  assert backward() and backward(det=True) and backward(seg=True) and backward(cap=True)
+  assert backward((192, 128)) and not backward((256, 128))
+  assert not backward(det=True, seg=True)
+  assert not backward(cap=True, det=True) and not backward(cap=True, seg=True)
+  assert not ffi.sm90_backward_has_variant("float32", 128, 128, False, False, False)
+
+
+@needs_library
+def test_hopper_plans_take_narrow_values_unpadded(monkeypatch):
+  monkeypatch.setattr(ffi, "gpu_compute_capability", lambda: (9, 0))
+  q, v = jnp.zeros((2, 200, 4, 192), jnp.bfloat16), jnp.zeros((2, 80, 2, 128), jnp.bfloat16)
+  ids = jnp.zeros((2, 200), jnp.int32)
+  call = KernelCall(backend="gpu", scale=0.1)
+  padding = lambda call, ids=None, q=q: _backward_plan(q, v, ids, call).value_padding
+  assert padding(call) == 0
+  assert padding(call, ids) == 0
+  # Deterministic packed documents run on the sm80 backward, which takes V as wide as Q.
+  assert padding(dataclasses.replace(call, deterministic=True), ids) == 64
+  wide = jnp.zeros((2, 200, 4, 256), jnp.bfloat16)
+  assert padding(call, q=wide) == 128
+  assert _backward_plan(wide, v, None, call).dq_tile_rows == ffi.sm90_dq_tile_rows(256, 256)
+  k = jnp.zeros((2, 80, 2, 192), jnp.bfloat16)
+  lens = jnp.zeros((2,), jnp.int32)
+  forward = plan.plan_forward(q, k, v, _masks(lens, lens), call, sinks=False)
+  assert forward.value_padding == 0
+  monkeypatch.setattr(ffi, "gpu_compute_capability", lambda: (8, 0))
+  assert padding(call) == 64
 
 
 @pytest.mark.gpu
@@ -180,20 +218,28 @@ def test_hopper_takes_narrow_values_unpadded():
   assert "stablehlo.pad" in grads.lower(q, k, v).as_text()
 
 
+def _backward_plan(q, v, q_ids, call):
+  """The plan of a backward call on q and v's shapes (k as wide as q)."""
+  k = jnp.zeros((*v.shape[:-1], q.shape[-1]), q.dtype)
+  lens = jnp.zeros(q.shape[:1], jnp.int32)
+  return plan.plan_backward(q, k, v, _masks(lens, lens, q_ids), call)
+
+
+@needs_library
 def test_dq_chains_only_for_hopper_deterministic_kernels_without_a_mask(monkeypatch):
-  q, v = jnp.zeros((2, 64, 4, 192)), jnp.zeros((2, 80, 2, 128))
-  no_ids, ids = jnp.zeros((2, 0), jnp.int32), jnp.zeros((2, 64), jnp.int32)
-  call = ffi.KernelCall(backend="gpu", scale=0.1, diag_offset=0, window_left=-1, window_right=-1,
-                        deterministic=True)
-  chains = functools.partial(ffi._dq_chains, q, v, no_ids)
+  q = jnp.zeros((2, 200, 4, 192), jnp.bfloat16)
+  v = jnp.zeros((2, 80, 2, 128), jnp.bfloat16)
+  ids = jnp.zeros((2, 200), jnp.int32)
+  call = KernelCall(backend="gpu", scale=0.1, deterministic=True)
+  chains = lambda call, ids=None: _backward_plan(q, v, ids, call).dq_chains
   monkeypatch.setattr(ffi, "gpu_compute_capability", lambda: (9, 0))
   asked = []
-  monkeypatch.setattr(ffi, "_sm90_deterministic_dq_chains", lambda *dims: asked.append(dims) or 4)
+  monkeypatch.setattr(ffi, "sm90_deterministic_dq_chains", lambda *dims: asked.append(dims) or 4)
   assert chains(call) == 4 and asked == [(192, 128, 80)]  # the kernel's count for these keys
-  assert ffi._dq_chains(q, v, ids, call) == 1  # the sm80 kernels serve it
+  assert chains(call, ids) == 1  # the sm80 kernels serve it
   assert chains(dataclasses.replace(call, softcap=5.0)) == 1
-  assert chains(dataclasses.replace(call, window_right=0)) == 1
-  assert chains(dataclasses.replace(call, window_left=100)) == 1
+  assert chains(call.with_mask(Mask(window_right=0))) == 1
+  assert chains(call.with_mask(Mask(window_left=100))) == 1
   assert chains(dataclasses.replace(call, deterministic=False)) == 1
   assert chains(dataclasses.replace(call, backend="cpu")) == 1
   monkeypatch.setattr(ffi, "gpu_compute_capability", lambda: (8, 0))
@@ -204,7 +250,14 @@ def test_dq_chains_default_to_one_without_the_kernels_query(monkeypatch):
   """A CUDA library without jax_flash_bwd_sm90_deterministic_dq_chains (no
   Hopper kernels, or built before the query) gets one accumulator."""
   monkeypatch.setattr(ffi, "_cuda_library", None)
-  assert ffi._sm90_deterministic_dq_chains.__wrapped__(192, 128, 8192) == 1
+  assert ffi.sm90_deterministic_dq_chains.__wrapped__(192, 128, 8192) == 1
+
+
+def _replan(patch, **changes):
+  """Makes every backward plan carry ``changes``."""
+  planned = plan.plan_backward
+  patch.setattr(plan, "plan_backward",
+                lambda *args: dataclasses.replace(planned(*args), **changes))
 
 
 def _cpu_backward_with_chains(chains, deterministic=True):
@@ -212,15 +265,14 @@ def _cpu_backward_with_chains(chains, deterministic=True):
   rng = np.random.default_rng(0)
   shapes = qkv(k_shape=(2, 16, 4, 64))  # no GQA: the call goes through unpacked
   q, k, v = (jax.device_put(rng.standard_normal(x.shape, np.float32), cpu) for x in shapes)
-  call = ffi.KernelCall(backend="cpu", scale=0.125, diag_offset=0, window_left=-1, window_right=-1,
-                        deterministic=deterministic)
+  call = KernelCall(backend="cpu", scale=0.125, deterministic=deterministic)
   lens = jax.device_put((jnp.full((2,), 16, jnp.int32),) * 2, cpu)
-  out, lse = ffi.forward(q, k, v, *lens, *ffi.no_segments(q), ffi.no_sinks(q), call)
+  out, lse = kernels.forward(q, k, v, _masks(*lens), sink_operand(None, q), call)
   delta = jnp.einsum("btnh,btnh->bnt", out, out)
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(ffi, "_dq_chains", lambda *_: chains)
+    _replan(patch, dq_chains=chains)
     return jax.block_until_ready(
-        ffi.backward(q, k, v, out, lse, delta, *lens, *ffi.no_segments(q), call))
+        kernels.backward(q, k, v, out, lse, delta, _masks(*lens), call))
 
 
 def test_handler_takes_dq_chains_and_zeroes_all_but_the_first():
@@ -241,7 +293,7 @@ def test_handler_takes_dq_chains_and_zeroes_all_but_the_first():
 
 def _cpu_backward_in_tiles(rows):
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(ffi, "_dq_tile_rows", lambda *_: rows)
+    _replan(patch, dq_tile_rows=rows)
     return _cpu_backward_with_chains(1, deterministic=False)
 
 
@@ -252,19 +304,20 @@ def test_dq_accum_in_tiles_only_for_the_hopper_kernels_that_take_it():
     _cpu_backward_in_tiles(64)
 
 
+@needs_library
 def test_dq_tile_rows_follow_the_library_where_hopper_kernels_serve(monkeypatch):
   q, v = jnp.zeros((2, 64, 4, 256), jnp.bfloat16), jnp.zeros((2, 64, 2, 256), jnp.bfloat16)
-  no_ids, ids = jnp.zeros((2, 0), jnp.int32), jnp.zeros((2, 64), jnp.int32)
-  call = ffi.KernelCall(backend="gpu", scale=0.1, diag_offset=0, window_left=-1, window_right=-1)
-  rows = functools.partial(ffi._dq_tile_rows, q, v, no_ids)
-  monkeypatch.setattr(ffi, "_sm90_dq_tile_rows", lambda d, dv: 64 if d == 256 else 0)
+  ids = jnp.zeros((2, 64), jnp.int32)
+  call = KernelCall(backend="gpu", scale=0.1)
+  rows = lambda call, q=q, v=v, ids=None: _backward_plan(q, v, ids, call).dq_tile_rows
+  monkeypatch.setattr(ffi, "sm90_dq_tile_rows", lambda d, dv: 64 if d == 256 else 0)
   monkeypatch.setattr(ffi, "gpu_compute_capability", lambda: (9, 0))
   assert rows(call) == 64
   assert rows(dataclasses.replace(call, deterministic=True)) == 64
-  assert ffi._dq_tile_rows(q, v, ids, call) == 64
-  assert ffi._dq_tile_rows(q[..., :128], v[..., :128], no_ids, call) == 0
-  assert ffi._dq_tile_rows(q.astype(jnp.float32), v, no_ids, call) == 0
-  assert ffi._dq_tile_rows(q, v, ids, dataclasses.replace(call, deterministic=True)) == 0  # sm80 serves
+  assert rows(call, ids=ids) == 64
+  assert rows(call, q=q[..., :128], v=v[..., :128]) == 0
+  assert rows(call, q=q.astype(jnp.float32)) == 0
+  assert rows(dataclasses.replace(call, deterministic=True), ids=ids) == 0  # sm80 serves
   assert rows(dataclasses.replace(call, softcap=5.0, deterministic=True)) == 0
   assert rows(dataclasses.replace(call, backend="cpu")) == 0
   monkeypatch.setattr(ffi, "gpu_compute_capability", lambda: (8, 0))
@@ -292,7 +345,7 @@ def test_dq_from_tiles_reads_the_hopper_fragment_order(head_dim):
     tile = padded[:, :, :, t * 64:(t + 1) * 64].transpose(0, 1, 2, 4, 3, 5)  # .., heads, 64, dim
     blocks[..., t, offset.ravel()] = tile[..., row.ravel(), col.ravel()]
   tiled = jnp.asarray(blocks.reshape(2, 1, 2, heads, tiles, 64, head_dim))
-  np.testing.assert_array_equal(np.asarray(ffi._dq_from_tiles(tiled, seq)), dq)
+  np.testing.assert_array_equal(np.asarray(kernels._dq_from_tiles(tiled, seq)), dq)
 
 
 @pytest.mark.gpu
@@ -327,7 +380,7 @@ def test_hopper_deterministic_backward_with_other_accumulator_counts(monkeypatch
   q, k, v, dout = numerics.random_qkv(3, 2, 70, 9000, 2, 1, 192, jnp.bfloat16, 128)
   attend = functools.partial(run_attention, q, k, v, dout, "gpu", deterministic=True)
   expected = attend()
-  monkeypatch.setattr(ffi, "_sm90_deterministic_dq_chains", lambda *_: chains)
+  monkeypatch.setattr(ffi, "sm90_deterministic_dq_chains", lambda *_: chains)
   for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), attend(), expected):
     np.testing.assert_allclose(a, b, rtol=0.02, atol=0.02, err_msg=name)
 
@@ -360,7 +413,7 @@ def test_hopper_backward_still_takes_dq_in_q_layout(monkeypatch):
              for key in jax.random.split(jax.random.key(0), 3))
   loss = lambda q, k, v: jnp.sum(jax_flash.attention(q, k, v, implementation="gpu").astype(jnp.float32))
   in_tiles = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
-  monkeypatch.setattr(ffi, "_dq_tile_rows", lambda *_: 0)
+  _replan(monkeypatch, dq_tile_rows=0)
   in_q_layout = jax.jit(jax.grad(lambda *x: loss(*x), (0, 1, 2)))(q, k, v)
   for a, b in zip(in_tiles, in_q_layout):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0.03, atol=0.03)
@@ -429,14 +482,12 @@ def test_empty_keys_give_zero_output_and_finite_gradients():
 
 def test_handler_rejects_inconsistent_buffers():
   """The C++ handler validates again and returns an error, never aborts."""
-  from jax_flash import _ffi as ffi
   cpu = jax.devices("cpu")[0]
   q, k, v = jax.device_put(qkv(), cpu)
-  call = ffi.KernelCall(backend="cpu", scale=0.125, diag_offset=0, window_left=-1, window_right=-1)
+  call = KernelCall(backend="cpu", scale=0.125)
   lens = jax.device_put((jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32)), cpu)
   with pytest.raises(Exception, match=r"jax_flash: q_lens has 3 elements, expected 2"):
-    jax.block_until_ready(ffi.forward(q, k, v, *lens, *ffi.no_segments(q), ffi.no_sinks(q),
-                                      call))
+    jax.block_until_ready(kernels.forward(q, k, v, _masks(*lens), sink_operand(None, q), call))
 
 
 @pytest.mark.parametrize("segment_ids,match", [
@@ -486,7 +537,7 @@ def test_varlen_rank_and_causal_cross_documents():
 
 @pytest.mark.parametrize("chains", [1, 2])
 def test_deterministic_dq_keeps_only_the_tiles_a_turn_wrote(chains):
-  """ffi._written_tiles_only: Hopper's deterministic backward does not zero
+  """kernels._written_tiles_only: Hopper's deterministic backward does not zero
   dq_accum, so a query tile whose dq_semaphore count (entry tile x chains +
   chain) is 0 must read as zeros, whatever the buffer held."""
   rng = np.random.default_rng(chains)
@@ -496,7 +547,7 @@ def test_deterministic_dq_keeps_only_the_tiles_a_turn_wrote(chains):
   turns = rng.integers(0, 3, (batch, heads, chains * -(-seq // 32))).astype(np.int32)
   turns[0, 1, :] = 0  # a head that no KV tile reached
   dq = garbage if chains > 1 else garbage[0]
-  kept = np.asarray(ffi._written_tiles_only(jnp.asarray(dq), jnp.asarray(turns), tile, chains))
+  kept = np.asarray(kernels._written_tiles_only(jnp.asarray(dq), jnp.asarray(turns), tile, chains))
   for c in range(chains):
     for b in range(batch):
       for h in range(heads):

@@ -19,7 +19,8 @@ import pytest
 from jax import export
 
 import jax_flash
-from jax_flash import _ffi as ffi
+from jax_flash import _ffi as ffi, _kernels as kernels
+from jax_flash._call import KernelCall, Mask, MaskOperands, sink_operand
 
 # jax.export's serialization needs flatbuffers (not a jax dependency).
 pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
@@ -110,23 +111,22 @@ def test_modules_exported_before_v2_keep_running():
   """A module serialized with ABI v1 calls jax_flash_cpu_{fwd,bwd}_v1 with
   v1's operands and attributes (no softcap, no deterministic, three backward
   outputs); those handlers stay registered and agree with today's call."""
-  from jax_flash import _ffi as ffi
-
   q, k, v = qkv(seed=3)
   lens = (jnp.full((2,), q.shape[1], jnp.int32), jnp.full((2,), k.shape[1], jnp.int32))
-  call = ffi.KernelCall("cpu", 0.25, k.shape[1] - q.shape[1], -1, 0)
+  masks = MaskOperands.build((2,), *lens)
+  call = KernelCall("cpu", 0.25, Mask(k.shape[1] - q.shape[1], -1, 0))
   v1_attrs = {name: value for name, value in call.attributes("fwd").items() if name != "softcap"}
 
   def v1_forward_backward(q, k, v):
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((2, q.shape[2], q.shape[1]), jnp.float32))
     out, lse = jax.ffi.ffi_call("jax_flash_cpu_fwd_v1", out_types)(
-        q, k, v, *lens, *ffi.no_segments(q), **v1_attrs)
+        q, k, v, *masks.leaves(), **v1_attrs)
     delta = jnp.einsum("btnh,btnh->bnt", out, out)
     grad_types = (jax.ShapeDtypeStruct(q.shape, jnp.float32),
                   jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     grads = jax.ffi.ffi_call("jax_flash_cpu_bwd_v1", grad_types)(
-        q, k, v, out, lse, delta, *lens, *ffi.no_segments(q), **v1_attrs)
+        q, k, v, out, lse, delta, *masks.leaves(), **v1_attrs)
     return out, lse, *grads
 
   v1_targets = [export.DisabledSafetyCheck.custom_call(f"jax_flash_cpu_{d}_v1")
@@ -135,9 +135,9 @@ def test_modules_exported_before_v2_keep_running():
                            disabled_checks=v1_targets)(q, k, v)
   got = export.deserialize(exported.serialize()).call(q, k, v)
 
-  out, lse = ffi.forward(q, k, v, *lens, *ffi.no_segments(q), ffi.no_sinks(q), call)
+  out, lse = kernels.forward(q, k, v, masks, sink_operand(None, q), call)
   delta = jnp.einsum("btnh,btnh->bnt", out, out)
-  want = (out, lse, *ffi.backward(q, k, v, out, lse, delta, *lens, *ffi.no_segments(q), call))
+  want = (out, lse, *kernels.backward(q, k, v, out, lse, delta, masks, call))
   chex.assert_trees_all_equal(got, want)
 
 
@@ -233,18 +233,19 @@ def test_cuda_modules_exported_before_v3_keep_running():
   and gives the sink-free results of today's (v3) call bit for bit."""
   q, k, v = (x.astype(jnp.bfloat16) for x in qkv(seed=5, head_dim=64))
   lens = (jnp.full((2,), q.shape[1], jnp.int32), jnp.full((2,), k.shape[1], jnp.int32))
-  call = ffi.KernelCall("gpu", 0.125, k.shape[1] - q.shape[1], -1, 0)
+  masks = MaskOperands.build((2,), *lens)
+  call = KernelCall("gpu", 0.125, Mask(k.shape[1] - q.shape[1], -1, 0))
 
   def v2_forward(q, k, v):
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((2, q.shape[2], q.shape[1]), jnp.float32))
     return jax.ffi.ffi_call("jax_flash_gpu_fwd_v2", out_types)(
-        q, k, v, *lens, *ffi.no_segments(q), **call.attributes("fwd"))
+        q, k, v, *masks.leaves(), **call.attributes("fwd"))
 
   exported = export.export(jax.jit(v2_forward), platforms=["cuda"],
                            disabled_checks=[export.DisabledSafetyCheck.custom_call(
                                "jax_flash_gpu_fwd_v2")])(q, k, v)
   got = export.deserialize(exported.serialize()).call(q, k, v)
-  want = jax.jit(lambda q, k, v: ffi._forward(q, k, v, *lens, *ffi.no_segments(q),
-                                              ffi.no_sinks(q), call))(q, k, v)
+  want = jax.jit(lambda q, k, v: ffi.forward_kernel(q, k, v, masks, sink_operand(None, q),
+                                                   call))(q, k, v)
   chex.assert_trees_all_equal(got, want)

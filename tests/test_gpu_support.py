@@ -15,7 +15,8 @@ import jax_flash
 from jax_flash import _gpu_support
 from jax_flash import _api as api
 from jax_flash import _configs as configs
-from jax_flash import _ffi as ffi
+from jax_flash import _ffi as ffi, _kernels as kernels
+from jax_flash._call import KernelCall, MaskOperands
 from jax_flash import _validation as validation
 
 SHAPES = validation.Shapes(batch=1, seq_q=128, seq_k=128, heads_q=2, heads_kv=2, head_dim=128,
@@ -109,8 +110,9 @@ def test_small_shared_memory_routing(gpu):
   with pytest.raises(NotImplementedError, match="implementation='gpu': the GPU backward kernel "
                      "for head_dim 128 takes 164864 bytes.*implementation=None runs XLA's"):
     jax.make_jaxpr(jax.grad(loss("gpu")))(x)
-  call = ffi.KernelCall("gpu", 0.1, 0, -1, -1, backward_on_xla=True)
-  grads = jax.make_jaxpr(lambda *a: ffi._backward_on(*a, call))(
-      x, x, x, x, jnp.zeros((1, 2, 16), jnp.float32), jnp.zeros((1, 2, 16), jnp.float32),
-      *[jnp.full((1,), 16, jnp.int32)] * 2, *ffi.no_segments(x))
+  call = KernelCall("gpu", 0.1, backward_on_xla=True)
+  lens = jnp.full((1,), 16, jnp.int32)
+  grads = jax.make_jaxpr(lambda *a: kernels.backward(*a, MaskOperands.build((1,), lens, lens),
+                                                     call))(
+      x, x, x, x, jnp.zeros((1, 2, 16), jnp.float32), jnp.zeros((1, 2, 16), jnp.float32))
   assert "custom_call" not in str(grads) and "ffi_call" not in str(grads)

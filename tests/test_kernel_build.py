@@ -123,6 +123,14 @@ def test_hopper_backward_named_barriers_do_not_collide():
   assert b.BAR_ALONE not in in_step
 
 
+def test_gpu_head_dims_are_the_exported_ones():
+  """configs.GPU.head_dims, by which calls are routed, are those the sm80
+  families export (cuda_src/common/export_common.py)."""
+  from common import export_common
+  from jax_flash import _configs as configs
+  assert configs.GPU.head_dims == export_common.SM80_HEAD_DIMS
+
+
 def test_sm80_shared_memory_table_matches_the_kernels():
   """configs.SM80_SHARED_MEMORY, by which GPUs with 99 KiB per block are
   routed (jax_flash/_gpu_support.py), is what the sm_80 kernels allocate."""

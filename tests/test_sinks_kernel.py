@@ -1,6 +1,6 @@
 """Who adds the attention sinks: the Hopper forward kernel in its epilogue
 where it serves a call whole, ``_sinks.add_sinks`` after every other call
-(``_ffi.kernel_applies_sinks``, docs/numerics.md "Attention sinks"). The
+(``_plan.plan_forward``, docs/numerics.md "Attention sinks"). The
 values themselves are the shared specification's (tests/attention_sinks.py),
 which every backend class runs."""
 
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _ffi as ffi
+from jax_flash import _ffi as ffi, _plan as plan
+from jax_flash._call import KernelCall, Mask, MaskOperands
 from jax_flash._sinks import add_sinks
 
 
@@ -26,15 +27,22 @@ def _problem(batch=2, seq_q=113, seq_k=241, heads_q=8, heads_kv=2, head_dim=64, 
 def _call(problem, backend="gpu", causal=True, **kw):
   """A bottom-right causal (or unmasked) call on the problem's shapes."""
   q, k = problem[:2]
-  return ffi.KernelCall(backend=backend, scale=0.125, diag_offset=k.shape[1] - q.shape[1],
-                        window_left=-1, window_right=0 if causal else -1, **kw)
+  return KernelCall(backend=backend, scale=0.125,
+                    mask=Mask(k.shape[1] - q.shape[1], -1, 0 if causal else -1), **kw)
+
+
+def kernel_adds_sinks(q, k, v, q_ids, call) -> bool:
+  """The forward plan's say for a call with sinks on these arrays."""
+  lens = jax.ShapeDtypeStruct(q.shape[:1], jnp.int32)
+  masks = MaskOperands(lens, lens, q_ids, q_ids, q_ids, q_ids)
+  return plan.plan_forward(q, k, v, masks, call, sinks=True).kernel_adds_sinks
 
 
 @pytest.fixture
 def on_hopper(monkeypatch):
   """The plan as it runs on an H100 with every sm90 forward variant."""
   monkeypatch.setattr(ffi, "gpu_compute_capability", lambda: (9, 0))
-  monkeypatch.setattr(ffi, "_sm90_forward_has_variant", lambda *args: True)
+  monkeypatch.setattr(ffi, "sm90_forward_has_variant", lambda *args: True)
 
 
 @pytest.mark.parametrize("case,applies", [
@@ -63,13 +71,13 @@ def test_kernel_applies_sinks_only_where_it_runs_whole(on_hopper, monkeypatch, c
                causal=case != "split-keys", batch_invariant=case == "batch-invariant-split")
   # The batch-invariant split runs the paged kernel, registered with the CUDA library.
   monkeypatch.setattr(jax_flash._paged, "_CUDA_REGISTERED", True)
-  assert ffi.kernel_applies_sinks(*problem, call) == applies
+  assert kernel_adds_sinks(*problem, call) == applies
 
 
 def test_no_sinks_without_hopper_kernels(monkeypatch):
   monkeypatch.setattr(ffi, "gpu_compute_capability", lambda: (8, 0))
   problem = _problem()
-  assert not ffi.kernel_applies_sinks(*problem, _call(problem))
+  assert not kernel_adds_sinks(*problem, _call(problem))
 
 
 @pytest.mark.gpu
@@ -121,8 +129,8 @@ def test_kernel_sinks_match_sinks_added_after_the_call(case):
                                              segment_ids=segment_ids, return_lse=True,
                                              implementation="gpu")
   q_ids = jnp.zeros((2, seq if segment_ids is not None else 0), jnp.int32)
-  call = ffi.KernelCall("gpu", head_dim ** -0.5, 0, -1, 0 if kw["causal"] else -1)
-  assert ffi.kernel_applies_sinks(q, k, v, q_ids, call)
+  call = KernelCall("gpu", head_dim ** -0.5, Mask(0, -1, 0 if kw["causal"] else -1))
+  assert kernel_adds_sinks(q, k, v, q_ids, call)
   out_s, lse_s = jax.jit(attend)(sinks)
   out, lse = jax.jit(attend)(None)
   want_out, want_lse = add_sinks(out, lse, sinks)

@@ -23,6 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from common.export_common import (  # noqa: E402
     VECTOR_ALIGN,
+    SM80_HEAD_DIMS as HEAD_DIMS,
     FakeProblem,
     export_variants,
     parse_export_args,
@@ -30,7 +31,6 @@ from common.export_common import (  # noqa: E402
 )
 
 ARCHES = ("sm_80", "sm_90a")
-HEAD_DIMS = (64, 96, 128, 192, 256)
 DTYPES = (("f16", "Float16", "JF_FLOAT16"), ("bf16", "BFloat16", "JF_BFLOAT16"))
 
 

@@ -21,9 +21,9 @@ registers away; warpgroups 1 and 2 compute with WGMMA:
 Computing the transposed scores puts the keys in the WGMMA M dimension, so
 P^T and dS^T come out of the accumulators already in the register layout of
 the A operand of dV and dK: P never touches shared memory and the dV GEMM
-starts as soon as P^T exists. Only dS^T goes to shared memory (stmatrix,
-double buffered), because dQ needs every key of a query row (at 80 and 112
-query rows each WG hands the other its dS^T, WG 0's dQ^T a tile late: staggered.py).
+starts as soon as P^T exists. Only dS^T goes to shared memory (stmatrix, double
+buffered): dQ needs every key of a query row (at 80 and 112 query rows each WG
+hands the other its dS^T, WG 0's dQ^T a tile late: staggered.py).
 
 Head dims 192 and 256 (TileConfig.split_head_dim) would need 256 floats of
 dK and dV per thread at 128 keys: there the CTA owns 64 keys and the two
@@ -33,10 +33,9 @@ scores reads both from there, after one barrier. DeepSeek's 192 / 128
 (head_dim_v 128: V, dO, dV) splits the same way, dV in 64-column halves.
 dQ leaves through shared memory to two writer warps (dq_handoff.py).
 
-The packed-document variant (has_segments) narrows the query tiles to the
-union of the KV tile's keys' q_bounds; a thread compares segment ids only on
-tiles where the rows and columns it holds carry more than one id (document
-edges), elsewhere only the length / diagonal / window mask applies.
+The packed-document variant (has_segments) narrows the query tiles to the union
+of the KV tile's keys' q_bounds; a thread compares segment ids only on tiles where
+its rows and columns carry more than one id (document edges).
 """
 
 from typing import Optional, Type

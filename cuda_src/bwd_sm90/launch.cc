@@ -105,6 +105,19 @@ extern "C" int jax_flash_bwd_sm90_can_implement(const JfProblem* p) {
   return arch == 90 ? 1 : 0;
 }
 
+extern "C" int jax_flash_bwd_sm90_has_variant(int32_t dtype, int32_t head_dim, int32_t head_dim_v,
+                                              int32_t deterministic, int32_t has_segments,
+                                              int32_t softcap) {
+  JfProblem p{};
+  p.dtype = static_cast<JfDtype>(dtype);
+  p.head_dim = head_dim;
+  p.head_dim_v = head_dim_v;
+  p.deterministic = deterministic;
+  p.has_segments = has_segments;
+  p.softcap = softcap ? 1.0f : 0.0f;
+  return FindVariant(90, p).launch != nullptr ? 1 : 0;
+}
+
 extern "C" int jax_flash_bwd_sm90_dq_tile_rows(int32_t head_dim, int32_t head_dim_v) {
   // Every kind of variant of the same head dims shares its tile (tile_config.py).
 #define JF_BWD_ROWS(ARCH, DTYPE, HDIM, HDIM_V, PREFIX, DQ_TILE_ROWS, KV_TILE, TURN_CHAINS, QUERY_TILE) \

@@ -56,6 +56,9 @@ def flag_nonfinite_stats(sStats, nan_flags, stage, lane):
     after the staging loop, which stays as it was: the warp has 24
     registers)."""
     rows = cute.size(sStats, mode=[0])
+    # A lane reads rows other lanes staged: without this, racecheck reports
+    # the intra-warp hazard (the warp is converged here, so it costs nothing).
+    cute.arch.sync_warp()
     found = False
     for i in cutlass.range_constexpr((rows + WARP_SIZE - 1) // WARP_SIZE):
         row = cutlass.min(i * WARP_SIZE + lane, rows - 1)

@@ -16,6 +16,9 @@ ROW_MAJOR_3D = (2, 1, 0)
 ROW_MAJOR_4D = (3, 2, 1, 0)  # [B, T, N, H]: the last mode is the fastest
 VECTOR_ALIGN = 16  # the kernels move 16 bytes per cp.async / vector store
 SCALAR_ALIGN = 4
+# The head dims of the sm80 families (fwd_sm80, bwd_sm80), the GPU's in
+# jax_flash/_configs.py (tests/test_kernel_build.py checks that they agree).
+SM80_HEAD_DIMS = (64, 96, 128, 192, 256)
 
 
 def parse_export_args(doc: str, arches: Sequence[str], only_help: str, argv=None,

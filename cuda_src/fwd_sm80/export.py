@@ -29,6 +29,7 @@ from common.export_common import (  # noqa: E402
     ROW_MAJOR_4D,
     SCALAR_ALIGN,
     VECTOR_ALIGN,
+    SM80_HEAD_DIMS as HEAD_DIMS,
     FakeProblem,
     export_variants,
     parse_export_args,
@@ -36,7 +37,6 @@ from common.export_common import (  # noqa: E402
 )
 
 ARCHES = ("sm_80", "sm_90a")
-HEAD_DIMS = (64, 96, 128, 192, 256)
 DTYPES = (("fp16", "JF_FLOAT16", "Float16"), ("bf16", "JF_BFLOAT16", "BFloat16"))
 
 

@@ -32,32 +32,45 @@ def online_softmax(acc_S_mn, row_max, row_sum, factor, scale_log2, conditional: 
     max m and row sums, and set factor to what O must be scaled by (exactly
     1 for a row whose reference max did not move). Each row's max and sum
     run as `partials` independent chains (reduce_row)."""
-    num_rows = cute.size(acc_S_mn, mode=[0])
-    for r in cutlass.range_constexpr(num_rows):
-        tile_max = quad_allreduce(reduce_row(acc_S_mn, r, cute.arch.fmax, partials), cute.arch.fmax)
-        prev_max = row_max[r]
-        new_max = cute.arch.fmax(prev_max, tile_max)
-        if cutlass.const_expr(conditional):
-            # Keep the stale reference unless it fell too far behind. From
-            # -inf any finite max counts as growth; -inf to -inf does not.
-            if (new_max - prev_max) * scale_log2 <= RESCALE_THRESHOLD_LOG2:
-                new_max = prev_max
-        # A row that has seen only masked keys keeps max -inf; subtracting
-        # 0 instead keeps every exp2 at exactly 0 rather than NaN.
-        max_scaled = cutlass.Float32(0.0)
-        factor[r] = cutlass.Float32(1.0)
-        if new_max != -cutlass.Float32.inf:
-            max_scaled = new_max * scale_log2
-            # The difference first: exactly 0, so a factor of exactly 1, where
-            # the reference did not move. As prev_max * scale_log2 -
-            # max_scaled, fused into one FMA, it was the product's rounding
-            # error, and ex2 of that often fell just below 1, rescaling O
-            # on most iterations (docs/kernel-evidence.md).
-            factor[r] = cute.arch.exp2((prev_max - new_max) * scale_log2)
-        row_max[r] = new_max
-        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-            acc_S_mn[r, c] = cute.arch.exp2(acc_S_mn[r, c] * scale_log2 - max_scaled)
-        row_sum[r] = row_sum[r] * factor[r] + reduce_row(acc_S_mn, r, operator.add, partials)
+    for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+        update_row(acc_S_mn, r, tile_row_max(acc_S_mn, r, partials), row_max, row_sum, factor,
+                   scale_log2, conditional, partials)
+
+
+def tile_row_max(acc_S_mn, r, partials: int):
+    """The maximum of row r of the S tile, over the 4 lanes that hold it."""
+    return quad_allreduce(reduce_row(acc_S_mn, r, cute.arch.fmax, partials), cute.arch.fmax)
+
+
+@cute.jit
+def update_row(acc_S_mn, r, tile_max, row_max, row_sum, factor, scale_log2,
+               conditional: cutlass.Constexpr, partials: cutlass.Constexpr):
+    """online_softmax's step for row r once its tile maximum is known (a
+    kernel that splits a tile's keys between warpgroups combines their
+    maxima first): the new reference max, factor, P and the row sum."""
+    prev_max = row_max[r]
+    new_max = cute.arch.fmax(prev_max, tile_max)
+    if cutlass.const_expr(conditional):
+        # Keep the stale reference unless it fell too far behind. From
+        # -inf any finite max counts as growth; -inf to -inf does not.
+        if (new_max - prev_max) * scale_log2 <= RESCALE_THRESHOLD_LOG2:
+            new_max = prev_max
+    # A row that has seen only masked keys keeps max -inf; subtracting
+    # 0 instead keeps every exp2 at exactly 0 rather than NaN.
+    max_scaled = cutlass.Float32(0.0)
+    factor[r] = cutlass.Float32(1.0)
+    if new_max != -cutlass.Float32.inf:
+        max_scaled = new_max * scale_log2
+        # The difference first: exactly 0, so a factor of exactly 1, where
+        # the reference did not move. As prev_max * scale_log2 -
+        # max_scaled, fused into one FMA, it was the product's rounding
+        # error, and ex2 of that often fell just below 1, rescaling O
+        # on most iterations (docs/kernel-evidence.md).
+        factor[r] = cute.arch.exp2((prev_max - new_max) * scale_log2)
+    row_max[r] = new_max
+    for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+        acc_S_mn[r, c] = cute.arch.exp2(acc_S_mn[r, c] * scale_log2 - max_scaled)
+    row_sum[r] = row_sum[r] * factor[r] + reduce_row(acc_S_mn, r, operator.add, partials)
 
 
 @cute.jit

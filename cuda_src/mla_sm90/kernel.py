@@ -49,7 +49,7 @@ from cutlass.tensor_utils import LayoutEnum
 from common.dsl_common import LOG2E, wgmma_acc_as_operand_a, wgmma_acc_as_rows_cols
 from common.nonfinite import is_nonfinite
 from fwd_sm90.online_softmax import (
-    RESCALE_THRESHOLD_LOG2, quad_allreduce, reduce_row, rescale_rows, store_converted)
+    quad_allreduce, rescale_rows, store_converted, tile_row_max, update_row)
 
 ROWS = 64  # query rows of a tile: one WGMMA accumulator's
 PAGE = 64  # tokens per page: one K / V tile
@@ -337,22 +337,10 @@ class MlaDecodeSm90:
         num_rows = cute.size(acc_S_mn, mode=[0])
         tile_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         for r in cutlass.range_constexpr(num_rows):
-            tile_max[r] = quad_allreduce(reduce_row(acc_S_mn, r, cute.arch.fmax, 1), cute.arch.fmax)
+            tile_max[r] = tile_row_max(acc_S_mn, r, 1)
         self._exchange(tile_max, cute.arch.fmax, tScS, sRow, wg, tid)
         for r in cutlass.range_constexpr(num_rows):
-            prev_max = row_max[r]
-            new_max = cute.arch.fmax(prev_max, tile_max[r])
-            if (new_max - prev_max) * scale_log2 <= RESCALE_THRESHOLD_LOG2:
-                new_max = prev_max
-            max_scaled = cutlass.Float32(0.0)
-            factor[r] = cutlass.Float32(1.0)
-            if new_max != -cutlass.Float32.inf:
-                max_scaled = new_max * scale_log2
-                factor[r] = cute.arch.exp2((prev_max - new_max) * scale_log2)
-            row_max[r] = new_max
-            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                acc_S_mn[r, c] = cute.arch.exp2(acc_S_mn[r, c] * scale_log2 - max_scaled)
-            row_sum[r] = row_sum[r] * factor[r] + reduce_row(acc_S_mn, r, operator.add, 1)
+            update_row(acc_S_mn, r, tile_max[r], row_max, row_sum, factor, scale_log2, True, 1)
 
     @cute.jit
     def _clean_values(self, tid, wg, sV_wg, stage, acc_O_mn, tOcO, last_key, first, shared_keys,

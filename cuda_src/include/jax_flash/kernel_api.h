@@ -235,6 +235,13 @@ int jax_flash_fwd_sm90_has_variant(int32_t dtype, int32_t head_dim, int32_t head
 int jax_flash_fwd_sm90(const JfFwdArgs* args, void* stream, char* err,
                        size_t err_len);
 int jax_flash_bwd_sm90_can_implement(const JfProblem* problem);
+// 1 when this build holds an sm90 backward variant for the dtype (JfDtype),
+// head dims and kind (deterministic, has_segments, softcap: 0 or 1):
+// can_implement then accepts every problem of them on a Hopper GPU with
+// batch, heads_kv <= 65535. Python asks it while tracing, as the forward's.
+int jax_flash_bwd_sm90_has_variant(int32_t dtype, int32_t head_dim, int32_t head_dim_v,
+                                   int32_t deterministic, int32_t has_segments,
+                                   int32_t softcap);
 // The query rows of the dq_accum tiles that the sm90 variants of these head
 // dims take (dq_tile_rows), or 0 where they take q's layout or none exists.
 int jax_flash_bwd_sm90_dq_tile_rows(int32_t head_dim, int32_t head_dim_v);
