@@ -10,12 +10,11 @@ causal among themselves), DeepSeek's 576-wide latent rows and 128 query
 heads (the compute-bound case) or 16 (one tensor-parallel shard of 128: the
 memory-bound case). Implementations of one shape run in turn:
 
-* ``jax_flash``: ``mla_decode`` with ``implementation="flash"`` on a GPU
-  (a shape it cannot serve is reported and skipped): on a Hopper GPU the
-  kernels of cuda_src/mla_sm90, for the FP8 cache kernel_fp8.py, its time
-  including the queries' quantisation that ``mla_decode`` does before it;
-  with ``--cpu-sizes``, ``implementation="xla"``, so that this script runs
-  where no kernel does.
+* ``jax_flash``: ``mla_decode`` with ``implementation="flash"`` (a shape
+  it cannot serve is reported and skipped): on a Hopper GPU the kernels of
+  cuda_src/mla_sm90, for the FP8 cache kernel_fp8.py, its time including the
+  queries' quantisation that ``mla_decode`` does before it; the CPU kernel
+  with ``--cpu-sizes``, which also runs ``implementation="xla"``.
 * ``xla`` ``gather``: plain JAX over the gathered pages (the FP8 cache
   dequantised to bfloat16 first): bfloat16 products with float32
   accumulation, a float32 softmax.
@@ -103,11 +102,11 @@ def xla_attention(q, rows, lengths, widen=False):
 
 def implementations(kv_dtype, cpu):
   """(impl, variant, fn(q, cache or rows, table, lengths), takes contiguous rows)"""
-  flash = functools.partial(jax_flash.mla_decode, scale=SCALE,
-                            implementation="xla" if cpu else "flash")
   xla = functools.partial(xla_attention, widen=cpu)
-  plans = [("jax_flash", "xla" if cpu else "flash", lambda q, c, t, n: flash(q, c, t, n), False),
-           ("xla", "gather", lambda q, c, t, n: xla(q, gathered_rows(c, t), n), False)]
+  plans = [("jax_flash", variant,
+            functools.partial(jax_flash.mla_decode, scale=SCALE, implementation=variant), False)
+           for variant in (("flash", "xla") if cpu else ("flash",))]
+  plans.append(("xla", "gather", lambda q, c, t, n: xla(q, gathered_rows(c, t), n), False))
   if kv_dtype == "bfloat16":
     plans.append(("xla", "contiguous", lambda q, rows, t, n: xla(q, rows, n), True))
   return plans
@@ -196,7 +195,7 @@ def print_fp8_speedups(rows):
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--cpu-sizes", action="store_true",
-                      help="tiny shapes on the CPU, jax_flash through implementation='xla'")
+                      help="tiny shapes on the CPU: jax_flash's CPU kernel and its XLA composition")
   parser.add_argument("--batches", type=int, nargs="+")
   parser.add_argument("--seqs", type=int, nargs="+")
   parser.add_argument("--s-qs", type=int, nargs="+")

@@ -86,7 +86,8 @@ set(JF_FAMILY_ARCHS_bwd_sm80 sm_80 sm_90a)
 set(JF_FAMILY_ARCHS_bwd_sm90 sm_90a)
 set(JF_FAMILY_ARCHS_mla_sm90 sm_90a)
 # The MLA kernel traces the Hopper forward's online softmax.
-set(JF_FAMILY_SOURCES_mla_sm90 ${CMAKE_CURRENT_SOURCE_DIR}/cuda_src/fwd_sm90/online_softmax.py)
+set(JF_FAMILY_SOURCES_mla_sm90 ${CMAKE_CURRENT_SOURCE_DIR}/cuda_src/fwd_sm90/__init__.py
+    ${CMAKE_CURRENT_SOURCE_DIR}/cuda_src/fwd_sm90/online_softmax.py)
 # Each family and architecture is exported by this many processes, which
 # the build tool runs in parallel: one process per family left one core
 # compiling the Hopper forward alone for the last two of six minutes on two
@@ -122,6 +123,13 @@ if(NOT JAX_FLASH_AOT_DIR)
   set(jf_kernels_from "compiled by the CuTe DSL ${jf_dsl_version} in ${JF_AOT_SHARDS} processes each")
 endif()
 
+# The exports run as modules of the build-time package cuda_src, from the
+# source folder; PYTHONSAFEPATH would keep that folder off sys.path.
+set(jf_export ${CMAKE_COMMAND} -E env --unset=PYTHONSAFEPATH
+    "${Python_EXECUTABLE}" -m cuda_src.export_kernels)
+set(jf_export_sources ${CMAKE_CURRENT_SOURCE_DIR}/cuda_src/__init__.py
+    ${CMAKE_CURRENT_SOURCE_DIR}/cuda_src/export_kernels.py
+    ${CMAKE_CURRENT_SOURCE_DIR}/cuda_src/sass_checks.py)
 set(jf_archives "")
 set(jf_launchers "")
 set(jf_include_dirs "")
@@ -142,24 +150,25 @@ foreach(family IN LISTS JF_KERNEL_FAMILIES)
            ${CMAKE_CURRENT_SOURCE_DIR}/cuda_src/${family}/*.py
            ${CMAKE_CURRENT_SOURCE_DIR}/cuda_src/common/*.py)
       list(APPEND family_sources ${JF_FAMILY_SOURCES_${family}})
-      set(export "${CMAKE_CURRENT_SOURCE_DIR}/cuda_src/export_kernels.py")
       set(stamps "")
       foreach(shard RANGE 1 ${JF_AOT_SHARDS})
         set(stamp "${jf_aot_dir}/${name}.shards/${shard}.done")
         add_custom_command(
           OUTPUT "${stamp}"
-          COMMAND "${Python_EXECUTABLE}" "${export}" --family ${family} --arch ${arch}
+          COMMAND ${jf_export} --family ${family} --arch ${arch}
                   --out "${jf_aot_dir}" --shard ${shard}/${JF_AOT_SHARDS}
-          DEPENDS ${family_sources} "${export}" ${CMAKE_CURRENT_SOURCE_DIR}/cuda_src/sass_checks.py
+          DEPENDS ${family_sources} ${jf_export_sources}
+          WORKING_DIRECTORY "${CMAKE_CURRENT_SOURCE_DIR}"
           COMMENT "jax_flash: compiling ${family} CuTe DSL kernels for ${arch} ahead of time (${shard}/${JF_AOT_SHARDS})"
           VERBATIM)
         list(APPEND stamps "${stamp}")
       endforeach()
       add_custom_command(
         OUTPUT "${archive}" "${jf_aot_dir}/${name}/${family}_variants_${arch}.h"
-        COMMAND "${Python_EXECUTABLE}" "${export}" --family ${family} --arch ${arch}
+        COMMAND ${jf_export} --family ${family} --arch ${arch}
                 --out "${jf_aot_dir}" --combine ${JF_AOT_SHARDS}
-        DEPENDS ${stamps} "${export}"
+        DEPENDS ${stamps} ${jf_export_sources}
+        WORKING_DIRECTORY "${CMAKE_CURRENT_SOURCE_DIR}"
         COMMENT "jax_flash: packing the ${family} kernels for ${arch}"
         VERBATIM)
     endif()

@@ -1,17 +1,18 @@
 """Compiles one kernel family for one GPU architecture ahead of time.
 
-    python cuda_src/export_kernels.py --family fwd_sm80 --arch sm_90a --out DIR
+    python -m cuda_src.export_kernels --family fwd_sm80 --arch sm_90a --out DIR
 
-runs ``cuda_src/<family>/export.py`` in a fresh interpreter (the CuTe DSL
-reads its target architecture once, at import) into ``DIR/<family>_<arch>/``
-and packs the resulting objects into ``DIR/lib<family>_<arch>.a`` for the
-linker. Used by CMake; also handy to prebuild kernels for a machine that has
-no CuTe DSL (pass the folder as ``-DJAX_FLASH_AOT_DIR``).
+run from the repository root, runs the module ``cuda_src.<family>.export``
+in a fresh interpreter (the CuTe DSL reads its target architecture once, at
+import) into ``DIR/<family>_<arch>/`` and packs the resulting objects into
+``DIR/lib<family>_<arch>.a`` for the linker. Used by CMake; also handy to
+prebuild kernels for a machine that has no CuTe DSL (pass the folder as
+``-DJAX_FLASH_AOT_DIR``).
 
 In shards, so that the build tool runs them in parallel (CMake does):
 
-    python cuda_src/export_kernels.py --family F --arch A --out DIR --shard 2/4   # each of 1/4 .. 4/4
-    python cuda_src/export_kernels.py --family F --arch A --out DIR --combine 4
+    python -m cuda_src.export_kernels --family F --arch A --out DIR --shard 2/4   # each of 1/4 .. 4/4
+    python -m cuda_src.export_kernels --family F --arch A --out DIR --combine 4
 
 Shard i of n compiles every n-th variant of the family, starting at the
 i-th, into ``DIR/<family>_<arch>.shards/<i>/``; the combine step gathers
@@ -19,9 +20,9 @@ them into ``DIR/<family>_<arch>/``, checks that they hold every variant the
 generated header names, and packs the archive. A family's variants differ
 in cost by head dim and kind, and export.py lists them by kind, dtype and
 head dim, so taking every n-th one spreads them evenly. The split happens in
-``common.export_common.export_variants``, the loop every family's export.py
-hands its (name, compile) pairs to: a shard replaces it by one that
-compiles its own share and returns every name, so that the header each
+``cuda_src.common.export_common.export_variants``, the loop every family's
+export.py hands its (name, compile) pairs to: a shard replaces it by one
+that compiles its own share and returns every name, so that the header each
 shard writes is the whole family's.
 
 ptxas runs verbose: its report goes to ``DIR/<family>_<arch>/ptxas.log``, a
@@ -43,13 +44,11 @@ import subprocess
 import sys
 import time
 
-SOURCE_DIR = pathlib.Path(__file__).resolve().parent
-# Run as a script with PYTHONSAFEPATH=1 (as CI runs the tests), Python leaves
-# the script's folder off sys.path.
-if str(SOURCE_DIR) not in sys.path:
-  sys.path.insert(0, str(SOURCE_DIR))
+from . import sass_checks
 
-import sass_checks  # noqa: E402
+# The package's folder: the shards run `python -m cuda_src.export_kernels` in
+# the folder above it (a test points this at a copy of the package).
+SOURCE_DIR = pathlib.Path(__file__).resolve().parent
 # CuTe DSL compiler option: print ptxas's -v report as remarks.
 PTXAS_REMARKS = "remarks{ptx}"
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
@@ -113,12 +112,14 @@ def export_shard(family: str, arch: str, out: pathlib.Path, index: int, count: i
   target.mkdir(parents=True)
   env = dict(os.environ, CUTE_DSL_ARCH=arch)
   env["CUTE_DSL_COMPILER_OPT"] = f"{env.get('CUTE_DSL_COMPILER_OPT', '')} {PTXAS_REMARKS}".strip()
-  script = SOURCE_DIR / family / "export.py"
+  # `python -m` finds the package in its working folder, which PYTHONSAFEPATH
+  # (set where CI runs the tests) would leave off sys.path.
+  env.pop("PYTHONSAFEPATH", None)
   start = time.perf_counter()
   proc = subprocess.run(
-      [sys.executable, __file__, "--worker", f"{index}/{count}", str(script),
-       "--arch", arch, "--out", str(target)],
-      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      [sys.executable, "-m", f"{__package__}.export_kernels", "--worker", f"{index}/{count}",
+       family, "--arch", arch, "--out", str(target.resolve())],
+      env=env, cwd=SOURCE_DIR.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   log = ANSI_ESCAPE.sub("", proc.stdout)
   (target / "ptxas.log").write_text(log)
   label = f"{family} {arch}" + (f" [{index}/{count}]" if count > 1 else "")
@@ -184,13 +185,12 @@ def export(family: str, arch: str, out: pathlib.Path) -> pathlib.Path:
   return combine(family, arch, out, 1)
 
 
-def run_worker(shard: str, script: str, argv: list) -> None:
-  """In the shard's own interpreter: runs the family's export.py as a
-  script, with export_common.export_variants compiling only this shard's
+def run_worker(shard: str, family: str, argv: list) -> None:
+  """In the shard's own interpreter: runs the family's export module as
+  __main__, with export_common.export_variants compiling only this shard's
   share of the variants (see the module docstring)."""
   index, count = map(int, shard.split("/"))
-  sys.path[:0] = [str(pathlib.Path(script).parent), str(SOURCE_DIR)]
-  from common import export_common
+  from .common import export_common
 
   export_all = export_common.export_variants
   calls = []
@@ -202,10 +202,11 @@ def run_worker(shard: str, script: str, argv: list) -> None:
     return [name for name, _ in variants]
 
   export_common.export_variants = export_share
-  sys.argv = [script, *argv]
-  runpy.run_path(script, run_name="__main__")
+  module = f"{__package__}.{family}.export"
+  sys.argv = [module, *argv]
+  runpy.run_module(module, run_name="__main__")
   if len(calls) != 1:
-    raise SystemExit(f"jax_flash: {script} called common.export_common.export_variants "
+    raise SystemExit(f"jax_flash: {module} called common.export_common.export_variants "
                      f"{len(calls)} times; the shards split exactly one call")
 
 

@@ -14,7 +14,7 @@ nvidia-cuda-nvdisasm, which the build requires (pyproject.toml), so that
 every build with the GPU kernels runs the checks. export_kernels.py prints
 that it skipped them when there is none.
 
-    python cuda_src/sass_checks.py BUILD/aot/fwd_sm90_sm_90a
+    python -m cuda_src.sass_checks BUILD/aot/fwd_sm90_sm_90a
 """
 
 import importlib.util

@@ -13,17 +13,19 @@ On Hopper GPUs both cache formats run jax_flash's kernels
 FP8, its queries quantised here first, as ``mla_fp8.fp8_reference`` does):
 the keys of each sequence cut into splits of a fixed number of keys, one
 CTA per 64 packed query rows (s_q x heads) and split, the splits merged by
-``paged.merge_splits``. Every other call (CPUs, other GPUs) runs the XLA
-composition (``mla_reference``).
+``paged.merge_splits``. On CPUs both formats run ``cuda_src/cpu/mla_cpu.cc``,
+each sequence whole. Every other call (other GPUs) runs the XLA composition
+(``mla_reference``). The kernels shard over heads (the cache replicated) and
+batch, with no communication (``sharding.paged_partitioned``).
 """
 
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax.sharding import AxisType
-
+from jax_flash import _cpu_ffi
 from jax_flash import _api as api, _ffi as ffi, _paged as paged, _sharding as sharding
 from jax_flash import _validation as validation
 from jax_flash._sinks import add_sinks
@@ -36,8 +38,9 @@ __all__ = ["MlaFp8Cache", "empty_mla_cache", "mla_decode", "mla_reference", "qua
            "write_mla_cache"]
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_MLA_TARGET = "jax_flash_gpu_mla_decode_v1"
-_MLA_FP8_TARGET = "jax_flash_gpu_mla_decode_fp8_v1"
+# The kernels' FFI targets by platform and cache format (FP8 or not).
+_CUDA_TARGETS = {False: "jax_flash_gpu_mla_decode_v1", True: "jax_flash_gpu_mla_decode_fp8_v1"}
+_CPU_TARGETS = {False: "jax_flash_cpu_mla_decode_v1", True: "jax_flash_cpu_mla_decode_fp8_v1"}
 # The kernel's query rows per CTA (cuda_src/mla_sm90/kernel.py: ROWS).
 _ROW_TILE = 64
 # Keys per split of the Hopper kernel, by whether a sequence's query rows
@@ -59,14 +62,17 @@ def _register_cuda(handler_name: str, target: str, has_kernel) -> bool:
   return True
 
 
-_CUDA_REGISTERED = _register_cuda(
-    "JaxFlashMlaDecodeCuda", _MLA_TARGET,
-    lambda library: getattr(library, "jax_flash_mla_sm90", None) is not None)
-# The FP8 kernel is in the library when export.py exported it (not under --only).
-_CUDA_FP8_REGISTERED = _register_cuda(
-    "JaxFlashMlaDecodeFp8Cuda", _MLA_FP8_TARGET,
-    lambda library: getattr(library, "jax_flash_mla_sm90_fp8_available", None) is not None
-    and library.jax_flash_mla_sm90_fp8_available() == 1)
+# Whether the Hopper kernel of each cache format (FP8 or not) is registered;
+# the FP8 one is in the library when export.py exported it (not under --only).
+_CUDA_REGISTERED = {
+    False: _register_cuda("JaxFlashMlaDecodeCuda", _CUDA_TARGETS[False],
+                          lambda library: getattr(library, "jax_flash_mla_sm90", None) is not None),
+    True: _register_cuda(
+        "JaxFlashMlaFp8DecodeCuda", _CUDA_TARGETS[True],
+        lambda library: getattr(library, "jax_flash_mla_sm90_fp8_available", None) is not None
+        and library.jax_flash_mla_sm90_fp8_available() == 1)}
+for _name, _capsule in _cpu_ffi.mla_registrations().items():
+  jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 
 
 def mla_decode(q, cache, page_table, cache_lengths, *, scale, query_lengths=None, sinks=None,
@@ -108,7 +114,7 @@ def mla_decode(q, cache, page_table, cache_lengths, *, scale, query_lengths=None
       the XLA composition elsewhere; ``"flash"`` raises
       ``NotImplementedError`` where no kernel applies; ``"xla"``: the XLA
       composition (``mla_reference``). The kernels: both cache formats on a
-      Hopper GPU.
+      Hopper GPU and on a CPU.
 
   Page ids and lengths are checked when they are concrete; inside ``jit`` a
   page id outside the pool reads zeros and lengths clip to the table. A NaN
@@ -125,16 +131,15 @@ def mla_decode(q, cache, page_table, cache_lengths, *, scale, query_lengths=None
   scale = _check_scale(scale)
   return_lse = validation.check_flag(return_lse, "return_lse")
   sinks = validation.check_sinks(sinks, jnp.shape(q)[2])
-  reason = None if implementation == "xla" else _kernel_unavailable_reason(q, cache)
-  if implementation == "flash" and reason is not None:
-    raise NotImplementedError(f"implementation='flash': {reason}")
   batch, max_new = jnp.shape(q)[:2]
   if query_lengths is None:
     query_lengths = jnp.full((batch,), max_new, jnp.int32)
-  attend = mla_reference if implementation == "xla" or reason is not None else _mla_kernel
-  out, lse = attend(q, cache, jnp.asarray(page_table, jnp.int32),
-                    jnp.asarray(cache_lengths, jnp.int32),
-                    jnp.asarray(query_lengths, jnp.int32), scale=scale)
+  operands = (jnp.asarray(page_table, jnp.int32), jnp.asarray(cache_lengths, jnp.int32),
+              jnp.asarray(query_lengths, jnp.int32))
+  if implementation == "xla":
+    out, lse = mla_reference(q, cache, *operands, scale=scale)
+  else:
+    out, lse = _on_kernels(q, cache, *operands, scale=scale, implementation=implementation)
   if sinks is not None:
     # A padding row sees no key, whatever its query left in the lse.
     padding = jnp.arange(max_new)[None, None, :] >= jnp.asarray(query_lengths)[:, None, None]
@@ -142,33 +147,97 @@ def mla_decode(q, cache, page_table, cache_lengths, *, scale, query_lengths=None
   return (out, lse) if return_lse else out
 
 
+def _on_kernels(q, cache, page_table, cache_lengths, query_lengths, *, scale, implementation):
+  """The kernel of the platform the call is lowered for (``paged.per_platform``),
+  on each device's shard where q is sharded over Explicit mesh axes."""
+  platform = api._platform_of(q, cache)
+  reasons = {"cpu": _cpu_unavailable_reason(cache),
+             "cuda": _kernel_unavailable_reason(q, cache) if platform == "gpu" else
+             _GPU_FROM_ELSEWHERE}
+  local = reasons.get({"gpu": "cuda"}.get(platform, platform),
+                      f"jax_flash has no MLA decode kernel for platform {platform!r}")
+  if local is not None and implementation == "flash":
+    raise NotImplementedError(f"implementation='flash': {local}")
+  pools, layout = jax.tree.flatten(cache)
+
+  def with_cache(fn):  # fn(q, cache, ...) on the flat operands
+    return lambda q, *rest: fn(q, layout.unflatten(rest[:len(pools)]), *rest[len(pools):],
+                               scale=scale)
+
+  def output_types(q, *_):
+    batch, s_q, heads, _ = q.shape
+    return (jax.ShapeDtypeStruct((batch, s_q, heads, LATENT_DIM), q.dtype),
+            jax.ShapeDtypeStruct((batch, heads, s_q), jnp.float32))
+
+  def attend(*args):
+    return paged.per_platform(
+        args, kernels={"cpu": with_cache(_mla_kernel_cpu), "cuda": with_cache(_mla_kernel)},
+        reference=with_cache(mla_reference), output_types=output_types,
+        implementation=implementation, reasons=reasons, what="MLA decode kernels")
+
+  return sharding.on_explicit_mesh(attend, q, pools, page_table, cache_lengths, query_lengths,
+                                   replicated_pools=True)
+
+
+# A call traced where no GPU runs lowers for CUDA to the XLA composition (or
+# fails with implementation="flash"): whether the Hopper kernel serves it is
+# known only where the call is traced on that GPU.
+_GPU_FROM_ELSEWHERE = ("an MLA decode call traced without a GPU has no GPU kernel; trace it on "
+                       "the GPU that runs it, or use implementation=None")
+
+
 def _mla_kernel(q, cache, page_table, cache_lengths, query_lengths, *, scale: float):
   """The Hopper kernels: per (64 packed query rows, sequence, split) a
-  partial result, merged in ``paged.merge_splits``'s fixed order. The FP8
-  cache's queries are quantised per token and head here, by
-  ``quantize_latent``, so that their codes are the reference's bit for bit."""
-  batch, s_q, heads, _ = q.shape
+  partial result, merged in ``paged.merge_splits``'s fixed order."""
+  s_q, heads = q.shape[1:3]
+  fp8 = isinstance(cache, MlaFp8Cache)
   split_keys = _SPLIT_KEYS_ONE_TILE if s_q * heads <= _ROW_TILE else _SPLIT_KEYS
-  split_pages = split_keys // PAGE_SIZE
+  return _split_kernel(_CUDA_TARGETS[fp8], q, cache, page_table, cache_lengths, query_lengths,
+                       scale=scale, split_pages=split_keys // PAGE_SIZE, quantize_query=fp8)
+
+
+def _mla_kernel_cpu(q, cache, page_table, cache_lengths, query_lengths, *, scale: float):
+  """The CPU kernel (cuda_src/cpu/mla_cpu.cc): each sequence whole, in one split."""
+  return _split_kernel(_CPU_TARGETS[isinstance(cache, MlaFp8Cache)], q, cache, page_table,
+                       cache_lengths, query_lengths, scale=scale,
+                       split_pages=max(page_table.shape[1], 1))
+
+
+def _split_kernel(target, q, cache, page_table, cache_lengths, query_lengths, *, scale: float,
+                  split_pages: int, quantize_query: bool = False):
+  """A kernel call over splits of ``split_pages`` pages of each sequence,
+  per shard, and the splits merged; ``quantize_query``: see ``_ffi_call``."""
+  batch, s_q, heads, _ = q.shape
   max_pages = page_table.shape[1]
   splits = max(-(-max_pages // split_pages), 1)
   # Lengths clip to the table (as in the composition); its padding is never read.
   cache_lengths = jnp.clip(cache_lengths, 0, max_pages * PAGE_SIZE)
   table = jnp.pad(page_table, [(0, 0), (0, splits * split_pages - max_pages)])
+  pools = jax.tree.leaves(cache)
+  kernel = sharding.paged_partitioned(
+      functools.partial(_ffi_call, target, pools=len(pools), scale=scale,
+                        split_pages=split_pages, quantize_query=quantize_query),
+      splits, pool_ranks=tuple(pool.ndim for pool in pools))
+  out, lse = kernel(q, *pools, table, query_lengths, cache_lengths)
+  return paged.merge_splits(out.reshape(batch, splits, s_q, heads, LATENT_DIM),
+                            lse.reshape(batch, splits, heads, s_q))
+
+
+def _ffi_call(target, q, *operands, pools: int, scale: float, split_pages: int,
+              quantize_query: bool):
+  """One kernel call on (the local shards of) ``q, *pools, table, q_lens,
+  kv_lens``: out ``[batch * splits, s_q, heads, 512]`` and lse ``[batch *
+  splits, heads, s_q]``. With ``quantize_query`` (the FP8 cache's Hopper
+  kernel) q goes in as its three parts from ``quantize_latent``, per token and
+  head, so that its codes are the reference's bit for bit on any shard."""
+  batch, s_q, heads, _ = q.shape
+  splits = operands[pools].shape[1] // split_pages
   out_types = (jax.ShapeDtypeStruct((batch * splits, s_q, heads, LATENT_DIM), q.dtype),
                jax.ShapeDtypeStruct((batch * splits, s_q, heads), jnp.float32))
-  attributes = dict(scale=np.float32(scale), split_pages=np.int32(split_pages))
-  if isinstance(cache, MlaFp8Cache):
-    q_codes, q_scales, q_rope = quantize_latent(q)
-    out, lse = jax.ffi.ffi_call(_MLA_FP8_TARGET, out_types)(
-        q_codes, q_scales, q_rope, cache.latent, cache.scales, cache.rope, table, query_lengths,
-        cache_lengths, **attributes)
-  else:
-    out, lse = jax.ffi.ffi_call(_MLA_TARGET, out_types)(
-        q, cache, table, query_lengths, cache_lengths, **attributes)
-  out, lse = paged.merge_splits(out.reshape(batch, splits, s_q, heads, LATENT_DIM),
-                                jnp.swapaxes(lse.reshape(batch, splits, s_q, heads), -1, -2))
-  return out, lse
+  out, lse = jax.ffi.ffi_call(target, out_types)(
+      *(quantize_latent(q) if quantize_query else (q,)), *operands, scale=np.float32(scale),
+      split_pages=np.int32(split_pages))
+  return out, jnp.swapaxes(lse, 1, 2)
 
 
 def mla_reference(q, cache, page_table, cache_lengths, query_lengths, *, scale: float):
@@ -229,35 +298,23 @@ def empty_mla_cache(num_pages: int, kv_dtype=jnp.bfloat16):
 
 
 def _kernel_unavailable_reason(q, cache) -> str | None:
-  """Why the Hopper kernel cannot serve this call, or None."""
-  if _sharded_over_explicit_axes(q):
-    return ("the MLA decode kernel has no partitioning rule yet, and q is sharded over "
-            "Explicit mesh axes; implementation=None or 'xla' runs the XLA composition, which "
-            "partitions by itself")
-  platform = api._platform_of(q, cache)
-  if platform != "gpu":
-    return (f"jax_flash's MLA decode kernel runs on Hopper GPUs, not on platform {platform!r}; "
-            "implementation=None or 'xla' runs the XLA composition")
+  """Why the Hopper kernel cannot serve this call on this GPU, or None."""
   fp8 = isinstance(cache, MlaFp8Cache)
-  if not (_CUDA_FP8_REGISTERED if fp8 else _CUDA_REGISTERED):
+  if not _CUDA_REGISTERED[fp8]:
     return (f"this installation holds no MLA decode kernel for GPUs for the "
             f"{'FP8' if fp8 else 'bfloat16 / float16'} cache")
   capability = ffi.gpu_compute_capability()
   if capability is None or capability[0] != 9:
     return f"the MLA decode kernel needs a Hopper GPU (compute capability 9.x), got {capability}"
-  if jnp.shape(cache.latent if fp8 else cache)[0] == 0:
-    return "the MLA decode kernel needs a cache of at least one page"
+  return _cpu_unavailable_reason(cache)
+
+
+def _cpu_unavailable_reason(cache) -> str | None:
+  """Why the CPU kernel cannot serve this call, or None (the Hopper kernel's
+  last condition too)."""
+  if jax.tree.leaves(cache)[0].shape[0] == 0:
+    return "the MLA decode kernels need a cache of at least one page"
   return None
-
-
-def _sharded_over_explicit_axes(q) -> bool:
-  """Whether q's type shards it over an Explicit mesh axis (an ffi_call
-  there needs a rule for its results' shardings)."""
-  q_sharding = jax.typeof(q).sharding
-  explicit = {name for name, kind in zip(q_sharding.mesh.axis_names, q_sharding.mesh.axis_types)
-              if kind == AxisType.Explicit}
-  return any(set(sharding.axes_of(entry)) & explicit
-             for entry in sharding._spec(q_sharding, jnp.ndim(q)))
 
 
 def _check_scale(scale) -> float:

@@ -167,7 +167,7 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
       raise NotImplementedError(f"implementation='flash': {local}")
     attend = functools.partial(_per_platform, implementation=implementation, reasons=reasons,
                                split_keys=shapes["split_keys"], **mask)
-  out, lse = sharding.on_explicit_mesh(attend, q, k_pages, v_pages, page_table, cache_lengths,
+  out, lse = sharding.on_explicit_mesh(attend, q, (k_pages, v_pages), page_table, cache_lengths,
                                        query_lengths)
   if sinks is not None:
     # A padding row sees no key, whatever its query left in the kernel's lse.
@@ -420,27 +420,38 @@ _GPU_FROM_ELSEWHERE = ("a paged call traced without a GPU has no GPU kernel; tra
 
 
 def _per_platform(*args, implementation, reasons, split_keys, **mask):
-  """The kernel of the platform the call is lowered for (``jax.export`` may
-  lower one trace for several): ``reasons`` maps "cpu" and "cuda" to why
-  their kernel cannot serve it, or None. Without a kernel the XLA
-  composition runs (``implementation=None``) or lowering fails ("flash")."""
+  """The kernel of the platform the call is lowered for (see per_platform)."""
+  return per_platform(
+      args, kernels={"cpu": functools.partial(_paged_kernel_cpu, **mask),
+                     "cuda": functools.partial(_paged_kernel, split_keys=split_keys, **mask)},
+      reference=functools.partial(paged_attention_reference, **mask),
+      output_types=_output_types, implementation=implementation, reasons=reasons,
+      what="paged kernels")
+
+
+def per_platform(args, *, kernels, reference, output_types, implementation, reasons, what):
+  """``kernels[platform](*args)`` for the platform the call is lowered for
+  (``jax.export`` may lower one trace for several): ``reasons`` maps "cpu"
+  and "cuda" to why their kernel cannot serve it, or None. Without a kernel
+  ``reference(*args)`` runs (``implementation=None``) or lowering fails
+  ("flash"), saying why; ``output_types(*args)``: the results' types;
+  ``what``: the kernels' name in that message for other platforms."""
 
   def branch(kernel, reason):
     def run(*a):
       if reason is None:
-        return ffi.match_varying(tuple(kernel(*a, **mask)), a)
+        return ffi.match_varying(tuple(kernel(*a)), a)
       if implementation is None:
-        return ffi.match_varying(tuple(paged_attention_reference(*a, **mask)), a)
-      zeros = (jnp.zeros(t.shape, t.dtype) for t in _output_types(*a))
+        return ffi.match_varying(tuple(reference(*a)), a)
+      zeros = (jnp.zeros(t.shape, t.dtype) for t in output_types(*a))
       return ffi.match_varying(tuple(ffi._unsupported_p.bind(
           *zeros, reason=f"implementation={implementation!r}: {reason}")), a)
     return run
 
-  gpu = functools.partial(_paged_kernel, split_keys=split_keys)
   return jax.lax.platform_dependent(
-      *args, cpu=branch(_paged_kernel_cpu, reasons["cpu"]),
-      cuda=branch(gpu, reasons["cuda"]),
-      default=branch(None, "jax_flash has paged kernels for CPU and CUDA only"))
+      *args, cpu=branch(kernels["cpu"], reasons["cpu"]),
+      cuda=branch(kernels["cuda"], reasons["cuda"]),
+      default=branch(None, f"jax_flash has {what} for CPU and CUDA only"))
 
 
 def _output_types(q, k_pages, v_pages, *_):

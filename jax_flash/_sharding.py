@@ -217,35 +217,62 @@ forward = _sharded(_forward, cotangents=False)
 backward = _sharded(_backward, cotangents=True)
 
 
-# Paged attention (paged.py). Its kernel calls take (rows [B, T, H, D],
-# k_pages [P, S, Hkv, D], v_pages [P, S, Hkv, Dv], page_table [B, N],
-# q_lens [B], kv_lens [B]) and return out [B * splits, T, H, Dv] and lse
-# [B * splits, H, T] (the GPU kernel's per-split partials; one split on the
-# CPU). Heads shard together with their kv heads in the pool, sequences with
-# their table rows; the pool itself is not cut by pages, so each device reads
-# the pages of its own heads, with no communication.
+# Paged attention (paged.py) and MLA decoding (mla.py). Their kernel calls
+# take (rows [B, T, H, D], the pools, page_table [B, N], q_lens [B], kv_lens
+# [B]) and return out [B * splits, T, H, Dv] and lse [B * splits, H, T] (the
+# GPU kernels' per-split partials; one split on the CPU). Sequences shard with
+# their table rows. Paged attention's pools are k_pages [P, S, Hkv, D] and
+# v_pages [P, S, Hkv, Dv], whose heads shard with their query heads; MLA's
+# (``pool_ranks`` given: one cache array or the FP8 cache's three) hold one
+# row per token for every head and are replicated. The pools are never cut by
+# pages, so each device reads the pages of its own heads, with no
+# communication.
 
-def _paged_specs(rows_spec, axis_sizes, heads_kv: int):
+def _paged_specs(rows_spec, axis_sizes, heads_kv: int, pool_ranks=None):
   """(spec of each operand, spec of each result) for rows sharded as
-  ``rows_spec``, or NotImplementedError."""
+  ``rows_spec``, or NotImplementedError; ``pool_ranks``: the ranks of
+  replicated pools (MLA), else paged attention's k_pages and v_pages."""
+  name = "paged attention" if pool_ranks is None else "mla_decode"
   if rows_spec[1] is not None or rows_spec[3] is not None:
     raise NotImplementedError(
-        "paged attention: shard q over batch and/or heads only, got " f"{P(*rows_spec)}")
+        f"{name}: shard q over batch and/or heads only, got {P(*rows_spec)}")
   batch, heads = rows_spec[0], rows_spec[2]
   shards = int(np.prod([axis_sizes[a] for a in axes_of(heads)]))
-  if heads_kv % shards:
+  if pool_ranks is not None:
+    pools = tuple(P(*(None,) * rank) for rank in pool_ranks)
+  elif heads_kv % shards:
     raise NotImplementedError(
         f"paged attention: the heads are sharded {shards} ways ({heads!r}), which splits GQA "
         f"groups of heads_kv={heads_kv} kv heads; shard heads over a divisor of heads_kv")
-  pages = P(None, None, heads, None)
-  operands = (P(batch, None, heads, None), pages, pages, P(batch, None), P(batch), P(batch))
+  else:
+    pools = (P(None, None, heads, None),) * 2
+  operands = (P(batch, None, heads, None), *pools, P(batch, None), P(batch), P(batch))
   return operands, (P(batch, None, heads, None), P(batch, heads, None))
 
 
-def paged_partitioned(kernel, splits: int):
-  """``kernel(rows, k_pages, v_pages, page_table, q_lens, kv_lens)`` made to
-  run per shard under ``jit`` with Auto mesh axes (``custom_partitioning``)
-  and, as it is, inside ``shard_map``."""
+def _paged_rule(rows, pools, splits: int, pool_ranks):
+  """The Shardy rule of a paged kernel call (see paged_partitioned) for rows
+  and the first pool of these types: the heads factor and its sizes."""
+  lead = "(b x)" if splits > 1 else "b"
+  sizes = {"x": splits} if splits > 1 else {}
+  if pool_ranks is None:
+    group = rows.shape[2] // pools.shape[2]
+    heads = "(k g)" if group > 1 else "k"
+    pool_factors = "p s k d, p s k e"
+    sizes.update({"g": group} if group > 1 else {})
+  else:  # replicated pools: their columns are factors of their own
+    heads = "h"
+    pool_factors = ", ".join(" ".join(["p", "s", f"c{i}"][:rank])
+                             for i, rank in enumerate(pool_ranks))
+  spec = (f"b t {heads} d, {pool_factors}, b n, b, b -> {lead} t {heads} e, "
+          f"{lead} {heads} t")
+  return spec, sizes
+
+
+def paged_partitioned(kernel, splits: int, pool_ranks=None):
+  """``kernel(rows, *pools, page_table, q_lens, kv_lens)`` made to run per
+  shard under ``jit`` with Auto mesh axes (``custom_partitioning``) and, as
+  it is, inside ``shard_map``; ``pool_ranks``: see _paged_specs."""
 
   @custom_partitioning
   def run(*args):
@@ -253,39 +280,43 @@ def paged_partitioned(kernel, splits: int):
 
   def partition(mesh, arg_shapes, result_shapes):
     operands, results = _paged_specs(_spec(arg_shapes[0].sharding, 4), dict(mesh.shape),
-                                     arg_shapes[1].shape[2])
+                                     arg_shapes[1].shape[2] if pool_ranks is None else 1,
+                                     pool_ranks)
     named = lambda specs: tuple(NamedSharding(mesh, s) for s in specs)
     return mesh, kernel, named(results), named(operands)
 
   def rule(mesh, value_types, result_types):
     del mesh, result_types
-    rows, pages = (mlir.ir.RankedTensorType(t) for t in value_types[:2])
-    group = rows.shape[2] // pages.shape[2]
-    heads = "(k g)" if group > 1 else "k"
-    lead = "(b x)" if splits > 1 else "b"
-    spec = (f"b t {heads} d, p s k d, p s k e, b n, b, b -> {lead} t {heads} e, "
-            f"{lead} {heads} t")
-    sizes = {"g": group} if group > 1 else {}
-    return spec, {**sizes, **({"x": splits} if splits > 1 else {})}
+    rows, pools = (mlir.ir.RankedTensorType(t) for t in value_types[:2])
+    return _paged_rule(rows, pools, splits, pool_ranks)
 
   run.def_partition(partition, sharding_rule=rule)
   return lambda *args: match_varying(run(*args), args)
 
 
-def on_explicit_mesh(attend, q, k_pages, v_pages, page_table, cache_lengths, query_lengths):
-  """``attend(q, k_pages, v_pages, page_table, cache_lengths, query_lengths)``
-  -> (out, lse); on arrays sharded over Explicit mesh axes it runs under
+def on_explicit_mesh(attend, q, pools, page_table, cache_lengths, query_lengths,
+                     replicated_pools: bool = False):
+  """``attend(q, *pools, page_table, cache_lengths, query_lengths)`` ->
+  (out, lse); on arrays sharded over Explicit mesh axes it runs under
   ``shard_map`` on each device's shard (the sharding is in the arrays' types,
-  which the whole computation must then respect), elsewhere as it is."""
-  args = (q, k_pages, v_pages, page_table, query_lengths, cache_lengths)
+  which the whole computation must then respect), elsewhere as it is.
+  ``pools``: paged attention's (k_pages, v_pages), or with
+  ``replicated_pools`` MLA's cache arrays."""
+  args = (q, *pools, page_table, query_lengths, cache_lengths)
   mesh = jax.typeof(q).sharding.mesh
   explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
               if kind == AxisType.Explicit}
   q_spec = _spec(jax.typeof(q).sharding, 4)
   if not {a for entry in q_spec for a in axes_of(entry)} & explicit:
-    return attend(q, k_pages, v_pages, page_table, cache_lengths, query_lengths)
-  operands, results = _paged_specs(q_spec, dict(mesh.shape), k_pages.shape[2])
-  local = lambda q, k, v, t, m, n: match_varying(attend(q, k, v, t, n, m), (q, k, v, t, m, n))
+    return attend(q, *pools, page_table, cache_lengths, query_lengths)
+  operands, results = _paged_specs(
+      q_spec, dict(mesh.shape), 1 if replicated_pools else pools[0].shape[2],
+      tuple(jnp.ndim(p) for p in pools) if replicated_pools else None)
+
+  def local(*arrays):
+    *head, table, q_lens, kv_lens = arrays
+    return match_varying(attend(*head, table, kv_lens, q_lens), arrays)
+
   sharded = jax.shard_map(local, mesh=mesh, in_specs=operands, out_specs=results)
   return sharded(*(jax.sharding.reshard(x, NamedSharding(mesh, s))
                    for x, s in zip(args, operands)))

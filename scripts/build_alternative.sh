@@ -7,7 +7,7 @@
 #   bash scripts/build_alternative.sh fwd-n192 fwd_sm90 \
 #       "--only jf_fwd90_sm_90a_bf16_hd64 --tile-n 192 --stages 4"
 #
-# Each quoted group is one run of cuda_src/FAMILY/export.py; the objects it
+# Each quoted group is one run of cuda_src.FAMILY.export; the objects it
 # writes replace those of the same name in the local build's family archive
 # (needs the local build: pip install -e .), and the library is relinked with
 # the main build's link command into .gpu/alt/NAME.so (git-ignored). A group
@@ -25,9 +25,9 @@ NAME=${1:?usage: build_alternative.sh NAME FAMILY "EXPORT ARGS"...}
 FAMILY=${2:?family, e.g. fwd_sm90}
 shift 2
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-# SOURCE: another checkout's cuda_src (e.g. a git worktree of the last
-# commit) to export from; the build and the output stay in this checkout.
-SOURCE=${SOURCE:-$ROOT/cuda_src}
+# SOURCE: another checkout (e.g. a git worktree of the last commit) whose
+# cuda_src to export from; the build and the output stay in this checkout.
+SOURCE=${SOURCE:-$ROOT}
 BUILD=$(ls -d "$ROOT"/build/*/ | head -1)
 ARCH=sm_90a
 WORK=$(mktemp -d)
@@ -44,14 +44,15 @@ for args in "$@"; do
     continue
   fi
   mkdir -p "$WORK/export"
+  # The package cuda_src is found in the working folder, which PYTHONSAFEPATH
+  # would leave off sys.path.
   # shellcheck disable=SC2086  # the group is split into export.py's arguments
-  CUTE_DSL_ARCH=$ARCH CUTE_DSL_COMPILER_OPT="remarks{ptx}" python3 \
-      "$SOURCE/$FAMILY/export.py" --arch $ARCH --out "$WORK/export" $args \
+  (cd "$SOURCE" && env -u PYTHONSAFEPATH CUTE_DSL_ARCH=$ARCH CUTE_DSL_COMPILER_OPT="remarks{ptx}" \
+      python3 -m "cuda_src.$FAMILY.export" --arch $ARCH --out "$WORK/export" $args) \
       >"$WORK/export.log" 2>&1 || { tail -30 "$WORK/export.log"; exit 1; }
-  python3 - "$WORK/export.log" "$ROOT/cuda_src" <<'PY'
+  (cd "$ROOT" && env -u PYTHONSAFEPATH python3 - "$WORK/export.log") <<'PY'
 import pathlib, sys
-sys.path.insert(0, sys.argv[2])
-from export_kernels import ANSI_ESCAPE, ptxas_summary
+from cuda_src.export_kernels import ANSI_ESCAPE, ptxas_summary
 for name, registers, spilled, advisories in ptxas_summary(ANSI_ESCAPE.sub("", pathlib.Path(sys.argv[1]).read_text())):
   print(f"{name}: {registers} registers, {spilled} bytes spilled {'; '.join(advisories)}")
 PY

@@ -34,7 +34,7 @@ if [[ -n ${SMOKE:-} ]]; then  # a quick script first: its failure skips the benc
 fi
 if [[ ${TESTS:-1} != 0 ]]; then
   echo "== MLA GPU tests ($(date +%T))"
-  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest tests/test_mla.py -k "${TESTS_K:-Gpu}" -v -n 4 \
+  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest tests/test_mla_gpu.py -k "${TESTS_K:-Gpu}" -v -n 4 \
       -p no:cacheprovider --tb=short >"$OUT/tests.log" 2>&1
   echo "tests: exit $?"
   grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" "$OUT/tests.log" | tail -40

@@ -1,4 +1,7 @@
+import importlib.util
 import os
+import pathlib
+import sys
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
@@ -7,6 +10,22 @@ import pytest
 
 import jax_flash
 from jax_flash import _api as api
+
+
+def _import_kernel_sources():
+  """Makes the build-time package cuda_src of this checkout importable (the
+  wheel does not install it) without putting the repository root on
+  sys.path, where its jax_flash/ would hide the installed package that CI
+  tests."""
+  package = pathlib.Path(__file__).resolve().parents[1] / "cuda_src"
+  spec = importlib.util.spec_from_file_location(
+      "cuda_src", package / "__init__.py", submodule_search_locations=[str(package)])
+  module = importlib.util.module_from_spec(spec)
+  sys.modules["cuda_src"] = module
+  spec.loader.exec_module(module)
+
+
+_import_kernel_sources()
 
 
 # JAX keeps every compiled program (up to about 300 MB for a reference check

@@ -5,16 +5,9 @@ instead of passing silently; the SASS one (cuda_src/sass_checks.py) must
 find the forward's softmax exp2s on the right side of the wait for the PV
 GEMM."""
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "cuda_src"))
-
-import export_kernels  # noqa: E402
-import sass_checks  # noqa: E402
+from cuda_src import export_kernels, sass_checks
 
 KERNEL = "'kernel_cutlass_kernel_kernelFlashBwdSm90_object_at__tensor0000o6411101213_0'"
 # Two kernels as the CuTe DSL prints them with remarks{ptx}: indented, with
@@ -108,8 +101,7 @@ def test_hopper_backward_named_barriers_do_not_collide():
   """Every named barrier a variant of bwd_sm90 uses has an id of its own
   below 16 (cuda_src/bwd_sm90/barriers.py). The staggered variant has a dQ
   writer per consumer WG at most and no dq_in_stage, whose ids it reuses."""
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "cuda_src" / "bwd_sm90"))
-  import barriers as b  # noqa: E402
+  from cuda_src.bwd_sm90 import barriers as b
   writers = range(b.MAX_DQ_WRITERS)
   in_step = ([b.BAR_PDS, b.BAR_EPI, b.BAR_STAGE_READ, b.BAR_STATS]
              + [b.bar_dq_empty(w) for w in writers] + [b.bar_dq_full(w) for w in writers])
@@ -126,7 +118,7 @@ def test_hopper_backward_named_barriers_do_not_collide():
 def test_gpu_head_dims_are_the_exported_ones():
   """configs.GPU.head_dims, by which calls are routed, are those the sm80
   families export (cuda_src/common/export_common.py)."""
-  from common import export_common
+  from cuda_src.common import export_common
   from jax_flash import _configs as configs
   assert configs.GPU.head_dims == export_common.SM80_HEAD_DIMS
 
@@ -136,24 +128,11 @@ def test_sm80_shared_memory_table_matches_the_kernels():
   routed (jax_flash/_gpu_support.py), is what the sm_80 kernels allocate."""
   pytest.importorskip("cutlass")
   from jax_flash import _configs as configs
-  root = pathlib.Path(__file__).resolve().parents[1] / "cuda_src"
-  forward = _load(root / "fwd_sm80" / "kernel.py", "fwd_sm80_kernel")
-  backward = _load(root / "bwd_sm80" / "kernel.py", "bwd_sm80_kernel")
+  from cuda_src.bwd_sm80 import kernel as backward
+  from cuda_src.fwd_sm80 import kernel as forward
   int32 = 4
   assert configs.SM80_SHARED_MEMORY["forward"] == {
       hd: 2 * hd * (rows + 2 * cols) + 2 * warps * int32
       for hd, (rows, cols, warps) in forward.TILE_CONFIG.items()}
   assert configs.SM80_SHARED_MEMORY["backward"] == {
       hd: backward.FlashBwdSm80.smem_bytes(hd) for hd in backward.TILE_CONFIGS}
-
-
-def _load(path, name):
-  """A kernel module, with its folder first on the path for its siblings."""
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
-  sys.path.insert(0, str(path.parent))
-  try:
-    spec.loader.exec_module(module)
-  finally:
-    sys.path.remove(str(path.parent))
-  return module

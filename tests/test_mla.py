@@ -3,9 +3,10 @@ RoPE-aware per-token format): the maths against float64 references in
 numpy, the FP8 scheme's pieces, page placement, poisoned unused slots, batch
 invariance, tensor-parallel heads, the cache writes and the errors.
 
-The module-level checks run the XLA composition; TestMlaGpu runs the
-Hopper kernels (both cache formats) through the same helpers with
-implementation="flash" (skipped without a Hopper GPU)."""
+The module-level checks run the XLA composition; MlaKernelChecks, the
+kernels' checks through the same helpers with implementation="flash", run on
+the Hopper kernels (test_mla_gpu.py, both formats; skipped without a Hopper
+GPU) and on the CPU kernel (test_mla_cpu.py, both formats)."""
 
 import functools
 import json
@@ -188,7 +189,7 @@ def assert_matches(got, inputs, rows, label, fp8_floor=jnp.float32):
   """The tolerance principle: the bfloat16 cache against the float64
   reference (naive: bfloat16 products); the FP8 cache against the float64
   reference over its dequantised query and cache (naive: naive_fp8), with
-  the rounding floor of ``fp8_floor`` (FP8_KERNEL_FLOOR for the kernel)."""
+  the rounding floor of ``fp8_floor`` (MlaKernelChecks.fp8_floor)."""
   longest = max(max(len(r) for r in rows), 1)
   if isinstance(inputs["cache"], mla.MlaFp8Cache):
     ref = attention_over(inputs, rows, dequantize=True)
@@ -200,13 +201,6 @@ def assert_matches(got, inputs, rows, label, fp8_floor=jnp.float32):
   for name, g, r, n in zip(("out", "lse"), got, ref, naive):
     numerics.assert_within_tolerance(f"{name} {label}", g, r, n, dtype, reduction=longest)
 
-
-# The FP8 kernel's rounding floor: its tensor cores accumulate the FP8
-# products with about 14 bits (DeepSeek-V3's report, section 3.3.2), not
-# float32's 24, and it returns bfloat16; the FP8 forward's tests
-# (test_fp8.py) take bfloat16's floor for the same reason. naive_fp8 (float32
-# products) would otherwise hold the lse to float32 rounding.
-FP8_KERNEL_FLOOR = jnp.bfloat16
 
 # Awkward lengths with decode (s_q 1) and speculative (s_q 2) rows, one
 # sequence with fewer new tokens than the batch's rows, one empty slot.
@@ -412,12 +406,17 @@ def test_sinks():
 
 
 def test_sinks_join_the_fp8_cache_after_the_merge():
-  """The FP8 cache's result with sinks is its result without them, each row
-  renormalised by the sink (jax_flash/_sinks.py), computed here in float64."""
   inputs, _ = make_batch(32, *BATCHES[1], fp8=True)
-  sinks = sink_values(16, 32)
-  out, lse = run(inputs)
-  got_out, got_lse = run(dict(inputs, sinks=sinks))
+  assert_sinks_join_after_the_merge(run, dict(inputs, sinks=sink_values(16, 32)))
+
+
+def assert_sinks_join_after_the_merge(attend, inputs):
+  """The result with sinks is the result without them, each row
+  renormalised by the sink (jax_flash/_sinks.py), computed here in float64:
+  the FP8 cache's sinks."""
+  sinks = inputs.pop("sinks")
+  out, lse = attend(inputs)
+  got_out, got_lse = attend(dict(inputs, sinks=sinks))
   sink = np.asarray(sinks, np.float64)[None, :, None]
   want_lse = np.where(lse == -np.inf, sink, np.logaddexp(lse, sink))
   with np.errstate(invalid="ignore"):  # rows without keys and without a sink: -inf - -inf
@@ -508,37 +507,6 @@ def test_tensor_parallel_heads(fp8, axes):
               if c in text]
 
 
-def test_kernel_declines_heads_sharded_over_explicit_axes():
-  """The kernel has no partitioning rule: q sharded over an Explicit mesh
-  axis runs the composition (test_tensor_parallel_heads), and "flash"
-  says why."""
-  from jax.sharding import AxisType, NamedSharding
-  from jax.sharding import PartitionSpec as P
-  if len(jax.devices()) < 2:
-    pytest.skip(f"needs 2 devices, {jax.default_backend()} has {len(jax.devices())}")
-  inputs, _ = make_batch(14, [300], [1], heads=16)
-  mesh = jax.make_mesh((2,), ("tp",), axis_types=(AxisType.Explicit,))
-  q = jax.device_put(inputs["q"], NamedSharding(mesh, P(None, None, "tp")))
-  assert "no partitioning rule" in mla._kernel_unavailable_reason(q, inputs["cache"])
-  auto = jax.make_mesh((2,), ("tp",), axis_types=(AxisType.Auto,))
-  assert not mla._sharded_over_explicit_axes(
-      jax.device_put(inputs["q"], NamedSharding(auto, P(None, None, "tp"))))
-
-
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_implementation_flash_names_what_is_missing(fp8):
-  if jax.default_backend() != "cpu":
-    pytest.skip("the message names the CPU platform")
-  inputs, _ = make_batch(15, [40], [1], fp8=fp8)
-  with pytest.raises(NotImplementedError, match=r"implementation='flash': jax_flash's MLA "
-                                                r"decode kernel runs on Hopper GPUs, not on "
-                                                r"platform 'cpu'"):
-    jax_flash.mla_decode(**inputs, scale=SCALE, implementation="flash")
-  # The default runs the composition.
-  for got, want in zip(run(inputs, implementation=None), run(inputs)):
-    np.testing.assert_array_equal(got, want)
-
-
 def test_errors():
   inputs, _ = make_batch(16, [20, 3], [1, 1])
   fp8_inputs, _ = make_batch(16, [20, 3], [1, 1], fp8=True)
@@ -601,8 +569,9 @@ def test_benchmark_scripts_run_on_cpu(tmp_path):
   assert bench_mla.main(["--cpu-sizes", "--seqs", "70", "--s-qs", "2", "--out", str(out)]) == 0
   rows = json.loads(out.read_text())["rows"]
   assert {(r["impl"], r["variant"], r["kv_dtype"]) for r in rows} == {
-      ("jax_flash", "xla", "bfloat16"), ("xla", "gather", "bfloat16"),
-      ("xla", "contiguous", "bfloat16"), ("jax_flash", "xla", "float8_e4m3fn"),
+      ("jax_flash", "flash", "bfloat16"), ("jax_flash", "xla", "bfloat16"),
+      ("xla", "gather", "bfloat16"), ("xla", "contiguous", "bfloat16"),
+      ("jax_flash", "flash", "float8_e4m3fn"), ("jax_flash", "xla", "float8_e4m3fn"),
       ("xla", "gather", "float8_e4m3fn")}
   assert all(r["op"] == "mla_decode" and r["seq_k"] == 70 and r["tflops"] > 0 for r in rows)
   out = tmp_path / "accuracy.json"
@@ -614,197 +583,98 @@ def test_benchmark_scripts_run_on_cpu(tmp_path):
           < rows["fp8_naive_dequantized"]["out_max_error"] / 2)
 
 
-@pytest.mark.gpu
-class TestMlaGpu:
-  """The Hopper kernel on the module's checks, with implementation="flash"."""
-  # conftest.py parametrises the tests' dtype from these.
+class MlaKernelChecks:
+  """What jax_flash's MLA kernels satisfy (implementation="flash"):
+  test_mla_gpu.py runs them on the Hopper kernels, test_mla_cpu.TestMlaCpu on
+  the CPU kernel. conftest.py parametrises the tests' dtype from ``dtypes``,
+  the cache formats (float8_e4m3fn: the MlaFp8Cache, bfloat16 queries);
+  ``fp8_floor``: the rounding floor of the FP8 cache's comparisons
+  (assert_matches)."""
   dtypes = (jnp.bfloat16, jnp.float16)
+  fp8_floor = jnp.float32
+
+  def run(self, inputs, **kwargs):
+    return run(inputs, implementation="flash", **kwargs)
+
+  @staticmethod
+  def batch(seed, lengths, new, dtype, **kwargs):
+    fp8 = jnp.dtype(dtype) == mla_fp8.FP8_DTYPE
+    return make_batch(seed, lengths, new, fp8=fp8, dtype=jnp.bfloat16 if fp8 else dtype,
+                      **kwargs)
 
   def test_matches_float64(self, dtype):
     for lengths, new in BATCHES:
-      inputs, rows = make_batch(len(lengths), lengths, new, dtype=dtype)
-      assert_matches(run(inputs, implementation="flash"), inputs, rows, f"{lengths} {new}")
+      inputs, rows = self.batch(len(lengths), lengths, new, dtype)
+      assert_matches(self.run(inputs), inputs, rows, f"{lengths} {new}", self.fp8_floor)
 
-  @pytest.mark.parametrize("heads", [16, 64, 128])
-  @pytest.mark.parametrize("s_q", [1, 2])
-  def test_heads_and_speculative_rows(self, heads, s_q):
-    # 4097 keys: splits of 1024 or 2048 keys, the last of one key.
+  @pytest.mark.parametrize("heads, s_q", [
+      (16, 1), (16, 2), (128, 2), pytest.param(64, 1, marks=pytest.mark.slow),
+      pytest.param(64, 2, marks=pytest.mark.slow), pytest.param(128, 1, marks=pytest.mark.slow)])
+  def test_heads_and_speculative_rows(self, dtype, heads, s_q):
+    # 4097 keys: the GPU's splits of 1024 or 2048 keys, the last of one key.
     lengths = [4097, 1000, 17, 1]
     new = [s_q, 1, s_q, 1]
-    inputs, rows = make_batch(heads + s_q, lengths, new, heads=heads)
-    assert_matches(run(inputs, implementation="flash"), inputs, rows, f"heads {heads} s_q {s_q}")
+    inputs, rows = self.batch(heads + s_q, lengths, new, dtype, heads=heads)
+    assert_matches(self.run(inputs), inputs, rows, f"heads {heads} s_q {s_q}", self.fp8_floor)
 
-  def test_batch_invariant(self):
+  def test_batch_invariant(self, dtype):
     """A sequence's rows bitwise: alone and in another slot of a larger
     batch, its pages elsewhere in a larger pool, beside longer sequences
     (more splits) and another table width."""
-    batch = make_batch(9, [70, 9000, 3000, 1], [1, 2, 2, 1], spare_pages=20, heads=128)[0]
-    alone = make_batch(8, [3000], [2], heads=128)[0]
-    got_alone = run(alone, implementation="flash")
-    got_mixed = run(place_sequence(batch, 2, alone), implementation="flash")
+    batch = self.batch(9, [70, 9000, 3000, 1], [1, 2, 2, 1], dtype, spare_pages=20,
+                       heads=128)[0]
+    alone = self.batch(8, [3000], [2], dtype, heads=128)[0]
+    got_alone = self.run(alone)
+    got_mixed = self.run(place_sequence(batch, 2, alone))
     np.testing.assert_array_equal(got_mixed[0][2], got_alone[0][0])
     np.testing.assert_array_equal(got_mixed[1][2], got_alone[1][0])
 
-  def test_unseen_positions_never_reach_results(self):
-    inputs, _ = make_batch(12, [1000, 300, 5, 4097], [2, 1, 0, 2])
+  def test_unseen_positions_never_reach_results(self, dtype):
+    inputs, _ = self.batch(12, [1000, 300, 5, 4097], [2, 1, 0, 2], dtype)
     clean = dict(inputs, q=finite_or_zero(inputs["q"]), cache=finite_or_zero(inputs["cache"]))
-    got, want = run(inputs, implementation="flash"), run(clean, implementation="flash")
+    got, want = self.run(inputs), self.run(clean)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
     assert np.isfinite(got[0]).all()
 
-  def test_visible_nan_reaches_exactly_the_rows_that_see_it(self):
-    inputs, _ = make_batch(21, [1000, 90], [2, 1])
+  def test_visible_nan_reaches_exactly_the_rows_that_see_it(self, dtype):
+    """A non-finite value in token 999 of sequence 0, visible to its second
+    row only; in the FP8 cache in each part: a NaN scale or code, an Inf of
+    either sign in a RoPE column (a logit of -inf would otherwise just hide
+    the key)."""
+    inputs, _ = self.batch(21, [1000, 90], [2, 1], dtype)
     page, row = int(inputs["page_table"][0, 999 // PAGE]), 999 % PAGE
-    poisoned = inputs["cache"].at[page, row, 5].set(jnp.nan)
-    clean_out, clean_lse = run(inputs, implementation="flash")
-    out, lse = run(dict(inputs, cache=poisoned), implementation="flash")
-    # The value column 5 of the row that sees it, and its logits: all NaN.
-    assert np.isnan(out[0, 1]).all() and np.isnan(lse[0, :, 1]).all()
-    out[0, 1], lse[0, :, 1] = clean_out[0, 1], clean_lse[0, :, 1]
-    np.testing.assert_array_equal(out, clean_out)
-    np.testing.assert_array_equal(lse, clean_lse)
+    cache = inputs["cache"]
+    if isinstance(cache, mla.MlaFp8Cache):
+      poisoned = [cache._replace(scales=cache.scales.at[page, row].set(jnp.nan)),
+                  cache._replace(latent=cache.latent.at[page, row, 7].set(jnp.nan)),
+                  cache._replace(rope=cache.rope.at[page, row, 3].set(jnp.inf)),
+                  cache._replace(rope=cache.rope.at[page, row, 3].set(-jnp.inf))]
+    else:
+      poisoned = [cache.at[page, row, 5].set(jnp.nan)]
+    clean_out, clean_lse = self.run(inputs)
+    for cache in poisoned:
+      out, lse = self.run(dict(inputs, cache=cache))
+      # The row that sees token 999 (the first is token 998), every head: all NaN.
+      assert np.isnan(out[0, 1]).all() and np.isnan(lse[0, :, 1]).all()
+      out[0, 1], lse[0, :, 1] = clean_out[0, 1], clean_lse[0, :, 1]
+      np.testing.assert_array_equal(out, clean_out)
+      np.testing.assert_array_equal(lse, clean_lse)
 
   def test_sinks(self, dtype):
     for lengths, new in BATCHES:
-      inputs, rows = make_batch(33, lengths, new, dtype=dtype)
+      inputs, rows = self.batch(33, lengths, new, dtype)
       inputs["sinks"] = sink_values(16, 33)
-      assert_matches(run(inputs, implementation="flash"), inputs, rows, f"sinks {lengths} {new}")
+      if isinstance(inputs["cache"], mla.MlaFp8Cache):  # the sinks join after the kernel
+        assert_sinks_join_after_the_merge(self.run, inputs)
+      else:
+        assert_matches(self.run(inputs), inputs, rows, f"sinks {lengths} {new}")
 
-  def test_rows_without_keys(self):
-    inputs, _ = make_batch(13, [0, 50], [0, 1], heads=16, spare_pages=1)
+  def test_rows_without_keys(self, dtype):
+    inputs, _ = self.batch(13, [0, 50], [0, 1], dtype, heads=16, spare_pages=1)
     inputs["query_lengths"] = jnp.asarray([0, 1], jnp.int32)
-    inputs["q"] = jnp.ones((2, 2, 16, WIDTH), jnp.bfloat16)
-    out, lse = run(inputs, implementation="flash")
+    inputs["q"] = jnp.ones((2, 2, 16, WIDTH), inputs["q"].dtype)
+    out, lse = self.run(inputs)
     assert np.all(out[0] == 0) and np.all(lse[0] == -np.inf)
     assert np.all(out[1, 1] == 0) and np.all(lse[1, :, 1] == -np.inf)
     assert np.isfinite(out[1, 0]).all()
-
-
-@pytest.mark.gpu
-class TestMlaFp8Gpu:
-  """The Hopper kernel for the FP8 cache (kernel_fp8.py) on the module's
-  checks, with implementation="flash": against the float64 reference over
-  the dequantised query and cache by the tolerance principle (naive:
-  naive_fp8), and within the measured FP8 error of the unquantised cache."""
-
-  def test_matches_float64(self):
-    for lengths, new in BATCHES:
-      inputs, rows = make_batch(len(lengths), lengths, new, fp8=True)
-      got = run(inputs, implementation="flash")
-      assert_matches(got, inputs, rows, f"{lengths} {new}", FP8_KERNEL_FLOOR)
-      assert_within_fp8_error_of_unquantised(got[0], inputs, rows)
-
-  @pytest.mark.parametrize("heads", [16, 64, 128])
-  @pytest.mark.parametrize("s_q", [1, 2])
-  def test_heads_and_speculative_rows(self, heads, s_q):
-    # 4097 keys: splits of 1024 or 2048 keys, the last of one key.
-    lengths = [4097, 1000, 17, 1]
-    new = [s_q, 1, s_q, 1]
-    inputs, rows = make_batch(heads + s_q, lengths, new, heads=heads, fp8=True)
-    got = run(inputs, implementation="flash")
-    assert_matches(got, inputs, rows, f"heads {heads} s_q {s_q}", FP8_KERNEL_FLOOR)
-    assert_within_fp8_error_of_unquantised(got[0], inputs, rows)
-
-  def test_close_to_the_xla_composition(self):
-    """The composition computes the kernel's maths (fp8_reference); the two
-    differ in summation order, in the FP8 tensor cores' accumulation and in
-    P codes that a float32 rounding moves across a rounding boundary: well
-    within the tolerance of the float64 reference's test."""
-    inputs, rows = make_batch(40, [1000, 4097, 300], [2, 1, 2], heads=64, fp8=True)
-    got, want = run(inputs, implementation="flash"), run(inputs)
-    longest = max(len(r) for r in rows)
-    naive = naive_fp8(inputs, rows)
-    for name, g, w, n in zip(("out", "lse"), got, want, naive):
-      numerics.assert_within_tolerance(f"{name} flash vs xla", g, w, n, FP8_KERNEL_FLOOR,
-                                       reduction=longest)
-
-  @pytest.mark.parametrize("heads", [16, 128])
-  def test_batch_invariant(self, heads):
-    """A sequence's rows bitwise: alone and in another slot of a larger
-    batch, its pages elsewhere in a larger pool, beside longer sequences
-    (more splits) and another table width."""
-    batch = make_batch(9, [70, 9000, 3000, 1], [1, 2, 2, 1], spare_pages=20, heads=heads,
-                       fp8=True)[0]
-    alone = make_batch(8, [3000], [2], heads=heads, fp8=True)[0]
-    got_alone = run(alone, implementation="flash")
-    got_mixed = run(place_sequence(batch, 2, alone), implementation="flash")
-    np.testing.assert_array_equal(got_mixed[0][2], got_alone[0][0])
-    np.testing.assert_array_equal(got_mixed[1][2], got_alone[1][0])
-
-  def test_unseen_positions_never_reach_results(self):
-    """make_batch poisons the unused slots' codes, scales and RoPE columns,
-    the spare pages and the padding query rows with NaN and Inf."""
-    inputs, _ = make_batch(12, [1000, 300, 5, 4097], [2, 1, 0, 2], fp8=True)
-    clean = dict(inputs, q=finite_or_zero(inputs["q"]), cache=finite_or_zero(inputs["cache"]))
-    got, want = run(inputs, implementation="flash"), run(clean, implementation="flash")
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1])
-    assert np.isfinite(got[0]).all()
-
-  @pytest.mark.parametrize("part", ["scales", "latent", "rope_inf", "rope_minus_inf"])
-  def test_visible_nan_reaches_exactly_the_rows_that_see_it(self, part):
-    """A non-finite value in token 999 of sequence 0 (visible to its second
-    row only): a NaN scale or code, or an Inf of either sign in a RoPE
-    column (a logit of -inf would otherwise just hide the key)."""
-    inputs, _ = make_batch(21, [1000, 90], [2, 1], fp8=True)
-    page, row = int(inputs["page_table"][0, 999 // PAGE]), 999 % PAGE
-    cache = inputs["cache"]
-    poisoned = {
-        "scales": lambda: cache._replace(scales=cache.scales.at[page, row].set(jnp.nan)),
-        "latent": lambda: cache._replace(latent=cache.latent.at[page, row, 7].set(jnp.nan)),
-        "rope_inf": lambda: cache._replace(rope=cache.rope.at[page, row, 3].set(jnp.inf)),
-        "rope_minus_inf": lambda: cache._replace(rope=cache.rope.at[page, row, 3].set(-jnp.inf)),
-    }[part]()
-    clean_out, clean_lse = run(inputs, implementation="flash")
-    out, lse = run(dict(inputs, cache=poisoned), implementation="flash")
-    assert np.isnan(out[0, 1]).all() and np.isnan(lse[0, :, 1]).all()
-    out[0, 1], lse[0, :, 1] = clean_out[0, 1], clean_lse[0, :, 1]
-    np.testing.assert_array_equal(out, clean_out)
-    np.testing.assert_array_equal(lse, clean_lse)
-
-  def test_sinks(self):
-    for lengths, new in BATCHES:
-      inputs, rows = make_batch(33, lengths, new, fp8=True)
-      sinks = sink_values(16, 33)
-      got = run(dict(inputs, sinks=sinks), implementation="flash")
-      want = run(dict(inputs, sinks=sinks))
-      naive = naive_fp8(inputs, rows)
-      longest = max(max(len(r) for r in rows), 1)
-      for name, g, w, n in zip(("out", "lse"), got, want, naive):
-        numerics.assert_within_tolerance(f"{name} sinks {lengths} {new}", g, w, n,
-                                         FP8_KERNEL_FLOOR, reduction=longest)
-
-  def test_rows_without_keys(self):
-    inputs, _ = make_batch(13, [0, 50], [0, 1], heads=16, spare_pages=1, fp8=True)
-    inputs["query_lengths"] = jnp.asarray([0, 1], jnp.int32)
-    inputs["q"] = jnp.ones((2, 2, 16, WIDTH), jnp.bfloat16)
-    out, lse = run(inputs, implementation="flash")
-    assert np.all(out[0] == 0) and np.all(lse[0] == -np.inf)
-    assert np.all(out[1, 1] == 0) and np.all(lse[1, :, 1] == -np.inf)
-    assert np.isfinite(out[1, 0]).all()
-
-  def test_handler_validates_buffers(self):
-    """The FFI handler's own checks (mla_ffi.h), reached by calling its
-    target with a wrong buffer: an error naming it, no launch."""
-    inputs, _ = make_batch(14, [100], [1], fp8=True)
-    q_codes, q_scales, q_rope = mla.quantize_latent(inputs["q"])
-    cache = inputs["cache"]
-    out_types = (jax.ShapeDtypeStruct((1, 1, 16, LATENT), jnp.bfloat16),
-                 jax.ShapeDtypeStruct((1, 1, 16), jnp.float32))
-    call = lambda **changes: jax.ffi.ffi_call(mla._MLA_FP8_TARGET, out_types)(
-        *{**dict(q_codes=q_codes, q_scales=q_scales, q_rope=q_rope, latent=cache.latent,
-                 scales=cache.scales, rope=cache.rope, table=inputs["page_table"],
-                 q_lens=inputs["query_lengths"], kv_lens=inputs["cache_lengths"]),
-          **changes}.values(), scale=np.float32(SCALE),
-        split_pages=np.int32(inputs["page_table"].shape[1]))
-    jax.block_until_ready(call())
-    with pytest.raises(Exception,
-                       match=r"latent must be float8_e4m3fn \[num_pages > 0, 64, 512\]"):
-      jax.block_until_ready(call(latent=cache.latent[..., :256]))
-    with pytest.raises(Exception, match=r"scales must be float32 \[num_pages="):
-      jax.block_until_ready(call(scales=cache.scales.astype(jnp.bfloat16)))
-    with pytest.raises(Exception, match="q_rope must be bfloat16"):
-      jax.block_until_ready(call(q_rope=q_rope.astype(jnp.float16)))
-    with pytest.raises(Exception, match="q_scales has 8 elements, expected 16"):
-      jax.block_until_ready(call(q_scales=q_scales[..., :8]))

@@ -10,19 +10,17 @@ import textwrap
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "cuda_src"))
+from cuda_src import export_kernels
 
-import export_kernels  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # A family's export.py as the real ones are built: it hands (name, compile)
-# pairs to common.export_common.export_variants and writes the header of the
-# names that returns. compile() gives an object whose export_to_c writes the
-# files the DSL would.
+# pairs to cuda_src.common.export_common.export_variants and writes the
+# header of the names that returns. compile() gives an object whose
+# export_to_c writes the files the DSL would.
 FAKE_EXPORT = textwrap.dedent('''
-    import argparse, os, pathlib, sys
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    from common.export_common import export_variants, write_variants_header
+    import argparse, os, pathlib
+    from ..common.export_common import export_variants, write_variants_header
 
     class Compiled:
       def export_to_c(self, file_path, file_name, function_prefix):
@@ -41,11 +39,14 @@ FAKE_EXPORT = textwrap.dedent('''
 
 @pytest.fixture
 def fake_family(tmp_path, monkeypatch):
-  """A cuda_src with the real common/ (linked) and a fake/ family."""
+  """A cuda_src package with the real common/ and export tools (linked) and a
+  fake/ family."""
   source = tmp_path / "cuda_src"
   (source / "fake").mkdir(parents=True)
+  (source / "fake" / "__init__.py").write_text("")
   (source / "fake" / "export.py").write_text(FAKE_EXPORT)
-  (source / "common").symlink_to(ROOT / "cuda_src" / "common")
+  for name in ("__init__.py", "common", "export_kernels.py", "sass_checks.py"):
+    (source / name).symlink_to(ROOT / "cuda_src" / name)
   monkeypatch.setattr(export_kernels, "SOURCE_DIR", source)
   return tmp_path
 

@@ -1,6 +1,6 @@
 """Ahead-of-time export of every FlashBwdSm80 variant to C objects.
 
-    python cuda_src/bwd_sm80/export.py --arch sm_80 --out build/bwd_sm80/sm_80
+    python -m cuda_src.bwd_sm80.export --arch sm_80 --out build/bwd_sm80/sm_80
 
 writes, per (dtype, head_dim), NAME.o and NAME.h (export_to_c) for the plain
 kernel (jf_bwd_*) and the packed-document one (jf_bwdseg_*, has_segments=True,
@@ -15,13 +15,8 @@ derives the key bounds from diag_offset and the window.
 """
 
 import os
-import pathlib
-import sys
 
-# Run as a script: make cuda_src/common importable here and in kernel.py.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from common.export_common import (  # noqa: E402
+from ..common.export_common import (
     VECTOR_ALIGN,
     SM80_HEAD_DIMS as HEAD_DIMS,
     FakeProblem,
@@ -46,7 +41,7 @@ def variant_name(arch: str, dtype_tag: str, head_dim: int, has_segments: bool) -
 def _compile_variant(dtype, head_dim, arch, has_segments):
     import cutlass
     import cutlass.cute as cute
-    from kernel import FlashBwdSm80
+    from .kernel import FlashBwdSm80
 
     fake = FakeProblem(head_dim)
     q = fake.bthd(dtype, fake.seqlen_q, fake.heads_q)

@@ -33,7 +33,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
-from common.dsl_common import (
+from ..common.dsl_common import (
     LOG2E,
     WARP_SIZE,
     cap_scores_with_slope,
@@ -48,9 +48,9 @@ from common.dsl_common import (
     store_existing_rows,
     zero_outside_key_window,
 )
-from common.hidden_pairs import HIDDEN, zero_where_hidden
-from common.segment_tiles import MIXED, segment_key
-from sm80_nan_guard import check_keys, poison_rows, zero_flagged_stage
+from ..common.hidden_pairs import HIDDEN, zero_where_hidden
+from ..common.segment_tiles import MIXED, segment_key
+from .sm80_nan_guard import check_keys, poison_rows, zero_flagged_stage
 
 NUM_THREADS = 256  # 8 warps
 SMEM_CAPACITY_SM80 = 163 * 1024

@@ -27,7 +27,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from common.nonfinite import any_nonfinite, barrier_any, is_nonfinite, zero_nonfinite
+from ..common.nonfinite import any_nonfinite, barrier_any, is_nonfinite, zero_nonfinite
 
 NAN = float("nan")
 # check_keys: the bit that says K held a NaN or Inf (above a thread's columns).

@@ -15,9 +15,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
 
-from barriers import BAR_STAGE_READ, bar_dq_empty, bar_dq_full
-from warp_roles import DQ_BAR_THREADS, HALF_BAR_THREADS, NUM_MMA_THREADS
-from wgmma_views import store_dq_fragments
+from .barriers import BAR_STAGE_READ, bar_dq_empty, bar_dq_full
+from .warp_roles import DQ_BAR_THREADS, HALF_BAR_THREADS, NUM_MMA_THREADS
+from .wgmma_views import store_dq_fragments
 
 
 class DqHandOff:

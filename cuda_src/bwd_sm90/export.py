@@ -1,6 +1,6 @@
 """Ahead-of-time export of every FlashBwdSm90 (WGMMA) variant to C objects.
 
-    python cuda_src/bwd_sm90/export.py --arch sm_90a --out build/bwd_sm90/sm_90a
+    python -m cuda_src.bwd_sm90.export --arch sm_90a --out build/bwd_sm90/sm_90a
 
 writes, per kind (KINDS: plain, deterministic, packed-document, soft-capped),
 dtype and (head_dim, head_dim_v) of TILE_CONFIGS, NAME.o and NAME.h
@@ -21,13 +21,8 @@ family's own sm_90a objects (jf_bwd_sm90a_*).
 """
 
 import os
-import pathlib
-import sys
 
-# Run as a script: make cuda_src/common importable here and in kernel.py.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from common.export_common import (  # noqa: E402
+from ..common.export_common import (
     VECTOR_ALIGN,
     FakeProblem,
     export_variants,
@@ -60,7 +55,7 @@ def variant_name(arch: str, dtype_tag: str, head_dim: int, head_dim_v: int, infi
 def _compile_variant(dtype, head_dim, head_dim_v, deterministic, has_segments, has_softcap, tile=None):
     import cutlass
     import cutlass.cute as cute
-    from kernel import FlashBwdSm90
+    from .kernel import FlashBwdSm90
 
     fake = FakeProblem(head_dim)
     q = fake.bthd(dtype, fake.seqlen_q, fake.heads_q)
@@ -98,7 +93,7 @@ def main(argv=None):
                                                  "(development aid)"))],
     )
     import cutlass
-    from tile_config import TILE_CONFIGS, TileConfig
+    from .tile_config import TILE_CONFIGS, TileConfig
 
     tile = None
     if args.tile:

@@ -48,27 +48,27 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from common.dsl_common import (
+from ..common.dsl_common import (
     LOG2E, cap_scores, cap_scores_with_slope, logit_scales, query_tile_of, rotated_order, row_store_tile,
     segment_bounds_union, store_existing_rows, wgmma_acc_as_rows_cols,
 )
-from common.hidden_pairs import zero_where_hidden
-from dq_handoff import DqHandOff
-from nan_guard import (
+from ..common.hidden_pairs import zero_where_hidden
+from .dq_handoff import DqHandOff
+from .nan_guard import (
     check_keys, force_bad_keys, poison_bad_delta_rows, query_rows_flagged, zero_query_stage,
 )
-from shared_storage import dq_tma_atoms, load_tma_atoms, shared_storage, shared_tiles
-from staggered import StaggeredConsumers, staggered_dq_layout
-from tile_config import TILE_CONFIGS, TileConfig
-from transposed_scores import (
+from .shared_storage import dq_tma_atoms, load_tma_atoms, shared_storage, shared_tiles
+from .staggered import StaggeredConsumers, staggered_dq_layout
+from .tile_config import TILE_CONFIGS, TileConfig
+from .transposed_scores import (
     QueryStats, load_query_stats, lse_to_log2, own_query_column, probabilities_in_place,
     score_gradients_in_place, stat_pairs, warp_sees_several_ids, zero_hidden_pairs,
 )
-from wgmma_views import (
+from .wgmma_views import (
     WGMMA_M, as_operand_a, dq_tile_layout, issue_wgmma, key_rows_mma, smem_tile_layout, stage_accumulator,
     tiled_mma, transposed,
 )
-from warp_roles import (
+from .warp_roles import (
     BAR_EPI, BAR_PDS, BAR_STATS, CONSUMER_REGS, DQ_BAR_THREADS, HALF_BAR_THREADS, DQ_WARP,
     MAX_DQ_WRITERS, STATS_WARP, LOAD_WARP, NUM_MMA_THREADS, NUM_MMA_WG, NUM_THREADS, NUM_WARPS, PRODUCER_REGS,
     WG_THREADS, ProducerWarps, bar_stats_of_wg,

@@ -28,10 +28,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from common.nonfinite import (
+from ..common.nonfinite import (
     any_nonfinite, barrier_any, is_nonfinite, vector_copy, zero_nonfinite, zero_nonfinite_everywhere,
 )
-from wgmma_views import transposed
+from .wgmma_views import transposed
 
 NAN = float("nan")
 WARP_THREADS = 32

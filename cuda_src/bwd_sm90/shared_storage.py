@@ -8,9 +8,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
-from warp_roles import NUM_WARPS
-from staggered import dq_half_layout, dq_half_shape
-from wgmma_views import stage_pair_views
+from .warp_roles import NUM_WARPS
+from .staggered import dq_half_layout, dq_half_shape
+from .wgmma_views import stage_pair_views
 
 
 def _buffer(dtype, cosize, used=True):

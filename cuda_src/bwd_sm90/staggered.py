@@ -31,10 +31,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from barriers import BAR_ALONE, bar_dq_empty, bar_dq_full, bar_ds_free, bar_ds_full
-from common.dsl_common import query_tile_of, release_add_s32, wait_field_at_least
-from warp_roles import HALF_BAR_THREADS, NUM_MMA_THREADS, NUM_MMA_WG, WG_THREADS
-from wgmma_views import dq_tile_layout, issue_wgmma, tiled_mma
+from .barriers import BAR_ALONE, bar_dq_empty, bar_dq_full, bar_ds_free, bar_ds_full
+from ..common.dsl_common import query_tile_of, release_add_s32, wait_field_at_least
+from .warp_roles import HALF_BAR_THREADS, NUM_MMA_THREADS, NUM_MMA_WG, WG_THREADS
+from .wgmma_views import dq_tile_layout, issue_wgmma, tiled_mma
 
 
 def dq_half_shape(m_block: int, head_dim: int, splits_queries: bool):

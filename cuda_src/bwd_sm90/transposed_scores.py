@@ -18,9 +18,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from common.dsl_common import LOG2E, WARP_SIZE, capped_score_slope
-from common.hidden_pairs import HIDDEN
-from common.nonfinite import is_nonfinite
+from ..common.dsl_common import LOG2E, WARP_SIZE, capped_score_slope
+from ..common.hidden_pairs import HIDDEN
+from ..common.nonfinite import is_nonfinite
 
 
 

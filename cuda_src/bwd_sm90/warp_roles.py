@@ -9,11 +9,11 @@ import cutlass.pipeline as pipeline
 from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
-from barriers import (  # noqa: F401  (kernel.py imports them from here)
+from .barriers import (  # noqa: F401  (kernel.py imports them from here)
     BAR_EPI, BAR_PDS, BAR_STAGE_READ, BAR_STATS, MAX_DQ_WRITERS, bar_dq_empty, bar_dq_full, bar_stats_of_wg,
 )
-from transposed_scores import flag_nonfinite_stats, lse_to_log2
-from common.dsl_common import (
+from .transposed_scores import flag_nonfinite_stats, lse_to_log2
+from ..common.dsl_common import (
     last_kv_block_seeing, query_tile_of, release_add_s32, rotated_turn, wait_at_least,
 )
 

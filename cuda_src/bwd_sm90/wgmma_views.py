@@ -9,8 +9,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
-from common.dsl_common import wgmma_acc_as_operand_a
-from warp_roles import NUM_MMA_WG
+from ..common.dsl_common import wgmma_acc_as_operand_a
+from .warp_roles import NUM_MMA_WG
 
 WGMMA_M = 64  # rows of one warpgroup's WGMMA
 

@@ -6,7 +6,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 
-from common.nonfinite import WORD_BITS, is_nonfinite
+from .nonfinite import WORD_BITS, is_nonfinite
 
 NAN = float("nan")
 

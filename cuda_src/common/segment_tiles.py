@@ -5,7 +5,7 @@ the NaN checks, where they do."""
 import cutlass
 import cutlass.cute as cute
 
-from common.dsl_common import WARP_SIZE
+from .dsl_common import WARP_SIZE
 
 # segment_key of a span whose positions carry more than one id. A real id of
 # this value only makes its spans take the per-position paths.

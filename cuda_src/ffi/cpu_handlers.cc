@@ -2,6 +2,7 @@
 #include <nanobind/nanobind.h>
 
 #include "attention_ffi.h"
+#include "mla_ffi.h"
 #include "paged_ffi.h"
 
 namespace jax_flash {
@@ -75,9 +76,36 @@ ffi::Error PagedFwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer 
                       softcap, window_left, window_right, split_pages);
 }
 
+// MLA decoding (mla_ffi.h), each sequence in one split.
+ffi::Error MlaDecodeCpu(ffi::AnyBuffer q, ffi::AnyBuffer cache, ffi::AnyBuffer page_table,
+                        ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
+                        ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                        float scale, int32_t split_pages) {
+  auto launch = [](const JfMlaDecodeArgs& args) {
+    return CallKernel([&](char* err, size_t n) { return jax_flash_mla_decode_cpu(&args, err, n); });
+  };
+  return MlaDecode(launch, q, cache, page_table, q_lens, kv_lens, o, lse, scale, split_pages);
+}
+
+ffi::Error MlaFp8DecodeCpu(ffi::AnyBuffer q, ffi::AnyBuffer latent, ffi::AnyBuffer scales,
+                           ffi::AnyBuffer rope, ffi::AnyBuffer page_table, ffi::AnyBuffer q_lens,
+                           ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> o,
+                           ffi::Result<ffi::AnyBuffer> lse, float scale, int32_t split_pages) {
+  auto launch = [](const JfMlaFp8DecodeArgs& args) {
+    return CallKernel(
+        [&](char* err, size_t n) { return jax_flash_mla_fp8_decode_cpu(&args, err, n); });
+  };
+  return MlaFp8Decode(launch, q, latent, scales, rope, page_table, q_lens, kv_lens, o, lse, scale,
+                      split_pages);
+}
+
 }  // namespace
 }  // namespace jax_flash
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashMlaDecodeCpu, jax_flash::MlaDecodeCpu,
+                              jax_flash::BindMlaDecode(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashMlaFp8DecodeCpu, jax_flash::MlaFp8DecodeCpu,
+                              jax_flash::BindMlaFp8Decode(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashPagedFwdCpu, jax_flash::PagedFwdCpu,
                               jax_flash::BindPagedForward(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashFwdCpu, jax_flash::FwdCpu,
@@ -110,6 +138,12 @@ NB_MODULE(_cpu_ffi, m) {
   m.def("paged_registrations", []() {
     nb::dict targets;
     targets["jax_flash_cpu_paged_fwd_v1"] = Capsule(JaxFlashPagedFwdCpu);
+    return targets;
+  });
+  m.def("mla_registrations", []() {
+    nb::dict targets;
+    targets["jax_flash_cpu_mla_decode_v1"] = Capsule(JaxFlashMlaDecodeCpu);
+    targets["jax_flash_cpu_mla_decode_fp8_v1"] = Capsule(JaxFlashMlaFp8DecodeCpu);
     return targets;
   });
 }

@@ -172,14 +172,14 @@ ffi::Error MlaDecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer c
   return MlaDecode(launch, q, cache, page_table, q_lens, kv_lens, o, lse, scale, split_pages);
 }
 
-ffi::Error MlaDecodeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer q_codes, ffi::AnyBuffer q_scales,
+ffi::Error MlaFp8DecodeCuda(cudaStream_t stream, ffi::AnyBuffer q_codes, ffi::AnyBuffer q_scales,
                             ffi::AnyBuffer q_rope, ffi::AnyBuffer latent, ffi::AnyBuffer scales,
                             ffi::AnyBuffer rope, ffi::AnyBuffer page_table,
                             ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
                             ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                             float scale, int32_t split_pages) {
   g_handler_calls.fetch_add(1, std::memory_order_relaxed);
-  auto launch = [stream](const JfMlaFp8DecodeArgs& args) {
+  auto launch = [stream](const JfMlaFp8Sm90Args& args) {
     return CallKernel([&](char* err, size_t n) {
 #ifdef JF_HAVE_MLA_SM90
       return jax_flash_mla_sm90_fp8(&args, stream, err, n);
@@ -189,8 +189,8 @@ ffi::Error MlaDecodeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer q_codes, ffi::An
 #endif
     });
   };
-  return MlaDecodeFp8(launch, q_codes, q_scales, q_rope, latent, scales, rope, page_table, q_lens,
-                      kv_lens, o, lse, scale, split_pages);
+  return MlaFp8QuantisedDecode(launch, q_codes, q_scales, q_rope, latent, scales, rope, page_table,
+                               q_lens, kv_lens, o, lse, scale, split_pages);
 }
 
 }  // namespace
@@ -239,7 +239,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
     {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxFlashMlaDecodeFp8Cuda, jax_flash::MlaDecodeFp8Cuda,
-    jax_flash::BindMlaDecodeFp8(
+    JaxFlashMlaFp8DecodeCuda, jax_flash::MlaFp8DecodeCuda,
+    jax_flash::BindMlaFp8QuantisedDecode(
         xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
     {xla::ffi::Traits::kCmdBufferCompatible});

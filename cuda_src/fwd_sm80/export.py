@@ -1,6 +1,6 @@
 """Ahead-of-time export of every FlashFwdSm80 variant to C objects.
 
-    python cuda_src/fwd_sm80/export.py --arch sm_80 --out DIR
+    python -m cuda_src.fwd_sm80.export --arch sm_80 --out DIR
 
 writes DIR/<name>.o and DIR/<name>.h per (dtype, head_dim) variant, plain
 (jf_fwd_*), packed-document (jf_fwdseg_*, has_segments=True, which takes
@@ -19,13 +19,8 @@ generated `cute_dsl_<prefix>_wrapper`.
 """
 
 import os
-import pathlib
-import sys
 
-# Run as a script: make cuda_src/common importable here and in kernel.py.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from common.export_common import (  # noqa: E402
+from ..common.export_common import (
     ROW_MAJOR_4D,
     SCALAR_ALIGN,
     VECTOR_ALIGN,
@@ -92,7 +87,7 @@ def main():
     args = parse_export_args(__doc__, ARCHES, "comma list of variant names to build (debugging); default all")
     import cutlass
     import cutlass.cute as cute
-    from kernel import FlashFwdSm80
+    from .kernel import FlashFwdSm80
 
     only = set(args.only.split(",")) if args.only else None
     built = {False: [], True: []}

@@ -39,16 +39,16 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
-from common.dsl_common import (
+from ..common.dsl_common import (
     cap_scores,
     logit_scales,
     m16n8_acc_as_rows_cols,
     segment_bounds_union,
 )
-from common.nonfinite import any_nonfinite, barrier_any, zero_nonfinite
-from common.seen_values import RowMask, poison_seen_columns
-from common.segment_tiles import MIXED, segment_key
-from paged_loads import PagedSplit, load_paged_tile, zero_row_stride_view
+from ..common.nonfinite import any_nonfinite, barrier_any, zero_nonfinite
+from ..common.seen_values import RowMask, poison_seen_columns
+from ..common.segment_tiles import MIXED, segment_key
+from .paged_loads import PagedSplit, load_paged_tile, zero_row_stride_view
 
 LN2 = math.log(2.0)
 COPY_BITS = 128  # one cp.async / one vector store moves 16 bytes per thread

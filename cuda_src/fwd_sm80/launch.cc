@@ -7,8 +7,8 @@
 // jf_fwdseg_* variants are the packed-document ones, run when has_segments,
 // the jf_fwdpaged_* ones read K / V from a paged cache: jax_flash_fwd_sm80_paged):
 //
-//   python cuda_src/fwd_sm80/export.py --arch sm_80  --out BUILD/fwd_sm_80
-//   python cuda_src/fwd_sm80/export.py --arch sm_90a --out BUILD/fwd_sm_90a
+//   python -m cuda_src.fwd_sm80.export --arch sm_80  --out BUILD/fwd_sm_80
+//   python -m cuda_src.fwd_sm80.export --arch sm_90a --out BUILD/fwd_sm_90a
 //   DSL=$(python -c "import nvidia_cutlass_dsl; print(list(nvidia_cutlass_dsl.__path__)[0])")
 //   INC="-I cuda_src/include -I BUILD/fwd_sm_80 -I BUILD/fwd_sm_90a"
 //   OBJS="BUILD/fwd_sm_80/*.o BUILD/fwd_sm_90a/*.o $DSL/cu13/lib/libcuda_dialect_runtime_static.a"

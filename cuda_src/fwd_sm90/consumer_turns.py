@@ -8,7 +8,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
 
-from common.segment_tiles import segment_key
+from ..common.segment_tiles import segment_key
 
 WG_THREADS = 128  # one warpgroup
 # Named barriers (0 is __syncthreads): one per consumer for the pingpong,

@@ -1,6 +1,6 @@
 """Ahead-of-time export of every FlashFwdSm90 variant to C objects.
 
-    python cuda_src/fwd_sm90/export.py --arch sm_90a --out DIR
+    python -m cuda_src.fwd_sm90.export --arch sm_90a --out DIR
 
 writes DIR/<name>.o and DIR/<name>.h per (dtype, head_dim, head_dim_v)
 variant (TILE_CONFIG in tile_config.py; named ..._hd<head_dim> or, where V
@@ -29,13 +29,8 @@ exist for benchmarking alternatives; the shipped build uses the defaults.
 
 import argparse
 import os
-import pathlib
-import sys
 
-# Run as a script: make cuda_src/common importable here and in kernel.py.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from common.export_common import (  # noqa: E402
+from ..common.export_common import (
     ROW_MAJOR_3D,
     ROW_MAJOR_4D,
     SCALAR_ALIGN,
@@ -44,7 +39,7 @@ from common.export_common import (  # noqa: E402
     export_variants,
     write_variants_header,
 )
-from tile_config import KV_MULTICAST, PAGED, SHORT_TILE, TILE_CONFIG  # noqa: E402
+from .tile_config import KV_MULTICAST, PAGED, SHORT_TILE, TILE_CONFIG
 
 ARCHES = ("sm_90a",)
 DTYPES = (("fp16", "JF_FLOAT16", "Float16"), ("bf16", "JF_BFLOAT16", "BFloat16"))
@@ -146,7 +141,7 @@ def main():
     args = _parse_args()
     import cutlass
     import cutlass.cute as cute
-    from kernel import FlashFwdSm90
+    from .kernel import FlashFwdSm90
 
     def compile_fn(dtype, head_dim, head_dim_v, has_segments, short=None, pair=False):
         kernel = FlashFwdSm90(

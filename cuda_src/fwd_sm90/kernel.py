@@ -49,20 +49,20 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from common.dsl_common import (
+from ..common.dsl_common import (
     cap_scores, logit_scales, wgmma_acc_as_operand_a, wgmma_acc_as_rows_cols,
 )
-from common.seen_values import RowMask
-from consumer_turns import BAR_PINGPONG, WG_THREADS, ConsumerTurns
-from launch_order import tile_of_cta
-from kv_producer import WG_ROWS, KVProducer
-from online_softmax import online_softmax, rescale_rows, store_converted
-from output_tile import store_output_tile
-from paged_kv import PAGE_BOX, PagedProblem, produce_paged, slab_layouts
-from score_mask import mask_tile, unseen_leading_tiles
-from segment_ids import warp_bounds_union
-from tile_config import Q_IN_REGISTERS, REDUCTION_PARTIALS, TILE_CONFIG
-from value_check import ValueChecks
+from ..common.seen_values import RowMask
+from .consumer_turns import BAR_PINGPONG, WG_THREADS, ConsumerTurns
+from .launch_order import tile_of_cta
+from .kv_producer import WG_ROWS, KVProducer
+from .online_softmax import online_softmax, rescale_rows, store_converted
+from .output_tile import store_output_tile
+from .paged_kv import PAGE_BOX, PagedProblem, produce_paged, slab_layouts
+from .score_mask import mask_tile, unseen_leading_tiles
+from .segment_ids import warp_bounds_union
+from .tile_config import Q_IN_REGISTERS, REDUCTION_PARTIALS, TILE_CONFIG
+from .value_check import ValueChecks
 
 # setmaxnreg only moves registers inside the CTA's launch allocation (64K
 # registers shared by all threads; consumer_registers): 2 consumers 128 * 24 +

@@ -4,7 +4,7 @@
 // Build (verified on the CPU machine with nvcc 13.0; the jf_fwdseg90_* half of
 // the objects is the packed-document variant, run when has_segments):
 //
-//   python cuda_src/fwd_sm90/export.py --arch sm_90a --out BUILD/fwd90_sm_90a
+//   python -m cuda_src.fwd_sm90.export --arch sm_90a --out BUILD/fwd90_sm_90a
 //   DSL=$(python -c "import nvidia_cutlass_dsl; print(list(nvidia_cutlass_dsl.__path__)[0])")
 //   INC="-I cuda_src/include -I cuda_src/common -I BUILD/fwd90_sm_90a"
 //   OBJS="BUILD/fwd90_sm_90a/*.o $DSL/cu13/lib/libcuda_dialect_runtime_static.a"

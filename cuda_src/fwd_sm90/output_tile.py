@@ -8,7 +8,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
-from online_softmax import quad_allreduce
+from .online_softmax import quad_allreduce
 
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2

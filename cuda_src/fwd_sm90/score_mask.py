@@ -6,9 +6,9 @@ variant)."""
 import cutlass
 import cutlass.cute as cute
 
-from common.seen_values import visible_columns
-from common.segment_tiles import MIXED
-from segment_ids import lane_tile_ids, same_segment, same_segment_masks
+from ..common.seen_values import visible_columns
+from ..common.segment_tiles import MIXED
+from .segment_ids import lane_tile_ids, same_segment, same_segment_masks
 
 
 @cute.jit

@@ -11,7 +11,7 @@ stay exactly as they were.
 import cutlass
 import cutlass.cute as cute
 
-from common.dsl_common import INT32_MAX, WARP_SIZE
+from ..common.dsl_common import INT32_MAX, WARP_SIZE
 
 QUAD = 4  # lanes that share a WGMMA accumulator row
 

@@ -17,11 +17,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from common.dsl_common import INT32_MAX
-from common.nonfinite import any_nonfinite, barrier_any, vector_copy, zero_nonfinite
-from common.seen_values import RowMask, poison_seen_columns
-from consumer_turns import WG_THREADS
-from common.segment_tiles import MIXED, segment_key
+from ..common.dsl_common import INT32_MAX
+from ..common.nonfinite import any_nonfinite, barrier_any, vector_copy, zero_nonfinite
+from ..common.seen_values import RowMask, poison_seen_columns
+from .consumer_turns import WG_THREADS
+from ..common.segment_tiles import MIXED, segment_key
 
 
 class ValueChecks:

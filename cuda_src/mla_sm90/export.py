@@ -1,6 +1,6 @@
 """Ahead-of-time export of the MLA decode kernel (kernel.py) to C objects.
 
-    python cuda_src/mla_sm90/export.py --arch sm_90a --out DIR
+    python -m cuda_src.mla_sm90.export --arch sm_90a --out DIR
 
 writes DIR/jf_mla90_<arch>_<dtype>.{o,h} for the bfloat16 and float16
 caches (kernel.py) and DIR/jf_mla90_<arch>_fp8.{o,h} for the FP8 cache
@@ -15,12 +15,8 @@ columns is a runtime value of the exported wrapper.
 """
 
 import pathlib
-import sys
 
-# Run as a script: make cuda_src (common/, fwd_sm90/) importable here and in kernel.py.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from common.export_common import (  # noqa: E402
+from ..common.export_common import (
     ROW_MAJOR_3D, SCALAR_ALIGN, VECTOR_ALIGN, export_variants, parse_export_args,
     write_variants_header,
 )
@@ -40,7 +36,7 @@ def _fake_args(dtype):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor
 
-    from kernel import HEAD_DIM, LATENT, PAGE
+    from .kernel import HEAD_DIM, LATENT, PAGE
 
     batch, rows, pages, outputs = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     tensor = lambda dt, shape, order, align: make_fake_compact_tensor(
@@ -62,8 +58,8 @@ def _fake_fp8_args():
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor
 
-    from kernel import LATENT, PAGE
-    from kernel_fp8 import ROPE
+    from .kernel import LATENT, PAGE
+    from .kernel_fp8 import ROPE
 
     batch, rows, pages, outputs = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     tensor = lambda dt, shape, order, align: make_fake_compact_tensor(
@@ -88,7 +84,7 @@ def main():
     args = parse_export_args(__doc__.splitlines()[0], ARCHES, "comma list of variant names")
     import cutlass
     import cutlass.cute as cute
-    from kernel import MlaDecodeSm90
+    from .kernel import MlaDecodeSm90
 
     only = set(filter(None, args.only.split(",")))
     variants, built = [], []
@@ -103,7 +99,7 @@ def main():
     fp8_built = []
     fp8_name = variant_name(args.arch, "fp8")
     if not only or fp8_name in only:
-        from kernel_fp8 import MlaDecodeFp8Sm90
+        from .kernel_fp8 import MlaDecodeFp8Sm90
         variants.append((fp8_name, lambda: cute.compile(MlaDecodeFp8Sm90(), *_fake_fp8_args())))
         fp8_built.append(f"{args.arch}, {fp8_name}")
     names = export_variants(args.out, variants)

@@ -46,9 +46,9 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from common.dsl_common import LOG2E, wgmma_acc_as_operand_a, wgmma_acc_as_rows_cols
-from common.nonfinite import is_nonfinite
-from fwd_sm90.online_softmax import (
+from ..common.dsl_common import LOG2E, wgmma_acc_as_operand_a, wgmma_acc_as_rows_cols
+from ..common.nonfinite import is_nonfinite
+from ..fwd_sm90.online_softmax import (
     quad_allreduce, rescale_rows, store_converted, tile_row_max, update_row)
 
 ROWS = 64  # query rows of a tile: one WGMMA accumulator's

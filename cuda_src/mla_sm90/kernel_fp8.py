@@ -54,11 +54,11 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from common.dsl_common import LOG2E, wgmma_acc_as_rows_cols
-from common.nonfinite import is_nonfinite
-from fwd_sm90.online_softmax import quad_allreduce
-from fp8_ops import PAGE_LAYOUT, STAGE_BYTES, V_LAYOUT, rcp_rn, transpose_page
-from kernel import (BAR_CONSUMERS, BAR_OWN, CONSUMERS, KEY_HALF, KV_STAGES, LATENT, LN2, PAGE,
+from ..common.dsl_common import LOG2E, wgmma_acc_as_rows_cols
+from ..common.nonfinite import is_nonfinite
+from ..fwd_sm90.online_softmax import quad_allreduce
+from .fp8_ops import PAGE_LAYOUT, STAGE_BYTES, V_LAYOUT, rcp_rn, transpose_page
+from .kernel import (BAR_CONSUMERS, BAR_OWN, CONSUMERS, KEY_HALF, KV_STAGES, LATENT, LN2, PAGE,
                     ROWS, V_COLS, WG_THREADS, MlaDecodeSm90, SplitProblem)
 
 ROPE = 64  # RoPE columns

@@ -60,23 +60,25 @@ JF_MLA_SM90_VARIANTS_SM_90A(JF_DEFINE_MLA_VARIANT)
 
 #define JF_DEFINE_MLA_FP8_VARIANT(arch_tag, prefix)                                           \
   LoadedModule<prefix##_Kernel_Module_t> g_##prefix;                                        \
-  int Launch_##prefix(const JfMlaFp8DecodeArgs& a, cudaStream_t stream, char* err,          \
+  int Launch_##prefix(const JfMlaFp8Sm90Args& args, cudaStream_t stream, char* err,         \
                       size_t err_len) {                                                     \
     cudaError_t load = EnsureLoaded(g_##prefix, prefix##_Kernel_Module_Load);               \
     if (load != cudaSuccess) {                                                              \
       return Fail(err, err_len, "jax_flash_mla_sm90_fp8: loading " #prefix ": %s",          \
                   cudaGetErrorString(load));                                                \
     }                                                                                       \
+    const JfMlaFp8DecodeArgs& c = args.cache;                                               \
+    const JfMlaDecodeArgs& a = c.mla;                                                       \
     const int32_t outs = a.batch * (a.max_pages / a.split_pages);                           \
-    prefix##_Tensor_mQ_t q = {const_cast<void*>(a.q_codes), {a.batch, a.rows},              \
+    prefix##_Tensor_mQ_t q = {const_cast<void*>(a.q), {a.batch, a.rows},                    \
                               {int64_t{a.rows} * kLatent}};                                 \
-    prefix##_Tensor_mQScales_t q_scales = {const_cast<float*>(a.q_scales), {a.batch, a.rows}, \
-                                           {a.rows}};                                       \
-    prefix##_Tensor_mQRope_t q_rope = {const_cast<void*>(a.q_rope), {a.batch, a.rows},      \
+    prefix##_Tensor_mQScales_t q_scales = {const_cast<float*>(args.q_scales),               \
+                                           {a.batch, a.rows}, {a.rows}};                    \
+    prefix##_Tensor_mQRope_t q_rope = {const_cast<void*>(args.q_rope), {a.batch, a.rows},   \
                                        {int64_t{a.rows} * kRope}};                          \
-    prefix##_Tensor_mLatent_t latent = {const_cast<void*>(a.latent), {a.num_pages}};        \
-    prefix##_Tensor_mScales_t scales = {const_cast<float*>(a.scales), {a.num_pages}};       \
-    prefix##_Tensor_mRope_t rope = {const_cast<void*>(a.rope), {a.num_pages}};              \
+    prefix##_Tensor_mLatent_t latent = {const_cast<void*>(a.cache), {a.num_pages}};         \
+    prefix##_Tensor_mScales_t scales = {const_cast<float*>(c.scales), {a.num_pages}};       \
+    prefix##_Tensor_mRope_t rope = {const_cast<void*>(c.rope), {a.num_pages}};              \
     prefix##_Tensor_mO_t o = {a.o, {outs, a.rows}, {int64_t{a.rows} * kLatent}};            \
     prefix##_Tensor_mLSE_t lse = {a.lse, {outs, a.rows}, {a.rows}};                         \
     prefix##_Tensor_mPageTable_t table = {const_cast<int32_t*>(a.page_table),               \
@@ -96,7 +98,7 @@ JF_MLA_SM90_FP8_VARIANTS_SM_90A(JF_DEFINE_MLA_FP8_VARIANT)
 #undef JF_DEFINE_MLA_FP8_VARIANT
 
 using LaunchFn = int (*)(const JfMlaDecodeArgs&, cudaStream_t, char*, size_t);
-using LaunchFp8Fn = int (*)(const JfMlaFp8DecodeArgs&, cudaStream_t, char*, size_t);
+using LaunchFp8Fn = int (*)(const JfMlaFp8Sm90Args&, cudaStream_t, char*, size_t);
 
 // The FP8 variant (export.py exports one, or none under --only).
 LaunchFp8Fn FindFp8Variant() {
@@ -166,24 +168,31 @@ int Validate(const JfMlaDecodeArgs* a, char* err, size_t err_len) {
   return ValidateIndexPointers(a, err, err_len);
 }
 
-int ValidateFp8(const JfMlaFp8DecodeArgs* a, char* err, size_t err_len) {
-  if (a == nullptr) return Fail(err, err_len, "jax_flash_mla_sm90_fp8: args is null");
+int ValidateFp8(const JfMlaFp8Sm90Args* args, char* err, size_t err_len) {
+  if (args == nullptr) return Fail(err, err_len, "jax_flash_mla_sm90_fp8: args is null");
   if (FindFp8Variant() == nullptr) {
     return Fail(err, err_len, "jax_flash_mla_sm90_fp8: this build holds no FP8-cache kernel");
+  }
+  const JfMlaDecodeArgs* a = &args->cache.mla;
+  if (a->dtype != JF_BFLOAT16) {
+    return Fail(err, err_len, "jax_flash_mla_sm90_fp8: o must be bfloat16 (JfDtype %d), got %d",
+                static_cast<int>(JF_BFLOAT16), static_cast<int>(a->dtype));
   }
   if (int rc = ValidateExtents(a, err, err_len)) return rc;
   if (a->batch == 0 || a->rows == 0) return 0;
   // TMA boxes: 16-byte aligned bases (the rows are 512, 128 and 256 bytes).
-  const void* boxes[] = {a->q_codes, a->q_rope, a->latent, a->scales, a->rope, a->o};
+  const void* boxes[] = {a->q, args->q_rope, a->cache, args->cache.scales, args->cache.rope, a->o};
   for (const void* ptr : boxes) {
     if (!jax_flash_launch::IsAligned(ptr, kOperandAlign)) {
       return Fail(err, err_len,
-                  "jax_flash_mla_sm90_fp8: q_codes, q_rope, latent, scales, rope and o must be "
+                  "jax_flash_mla_sm90_fp8: q codes, q_rope, latent, scales, rope and o must be "
                   "%d-byte aligned",
                   static_cast<int>(kOperandAlign));
     }
   }
-  if (a->q_scales == nullptr) return Fail(err, err_len, "jax_flash_mla_sm90_fp8: q_scales is null");
+  if (args->q_scales == nullptr) {
+    return Fail(err, err_len, "jax_flash_mla_sm90_fp8: q_scales is null");
+  }
   static_assert(kPage * sizeof(float) % kOperandAlign == 0, "a page's scales are whole TMA rows");
   return ValidateIndexPointers(a, err, err_len);
 }
@@ -219,10 +228,10 @@ extern "C" int jax_flash_mla_sm90(const JfMlaDecodeArgs* args, void* stream, cha
 
 extern "C" int jax_flash_mla_sm90_fp8_available(void) { return FindFp8Variant() != nullptr; }
 
-extern "C" int jax_flash_mla_sm90_fp8(const JfMlaFp8DecodeArgs* args, void* stream, char* err,
+extern "C" int jax_flash_mla_sm90_fp8(const JfMlaFp8Sm90Args* args, void* stream, char* err,
                                       size_t err_len) {
   if (int rc = ValidateFp8(args, err, err_len)) return rc;
-  if (args->batch == 0 || args->rows == 0) return 0;
+  if (args->cache.mla.batch == 0 || args->cache.mla.rows == 0) return 0;
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess || !IsHopper(device)) {

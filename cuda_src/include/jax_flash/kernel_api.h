@@ -212,6 +212,31 @@ typedef struct JfMlaDecodeArgs {
   float* lse;
 } JfMlaDecodeArgs;
 
+// MLA decoding against the FP8 latent cache (jax_flash.MlaFp8Cache): mla.cache
+// holds the latent codes [num_pages, 64, 512] float8_e4m3fn, beside each
+// token's float32 scale and its 64 RoPE columns in bfloat16; q is bfloat16 and
+// quantised per token and head like the cache's tokens (docs/mla.md: the
+// logits from the FP8 latent product with both scales plus the RoPE product, P
+// requantised to e4m3 per query row and page before P V).
+typedef struct JfMlaFp8DecodeArgs {
+  JfMlaDecodeArgs mla;
+  const float* scales;  // [num_pages, 64]
+  const void* rope;     // [num_pages, 64, 64] bfloat16
+} JfMlaFp8DecodeArgs;
+
+// MLA decoding on Hopper against the FP8 cache, its queries quantised by the
+// caller per token and head as the cache's tokens are (jax_flash/_mla.py:
+// quantize_latent): cache.mla.q holds the query's latent codes [batch, rows,
+// 512] float8_e4m3fn (not q [batch, rows, 576]), q_scales their float32
+// scales and q_rope the query's RoPE columns in bfloat16; cache.mla.dtype is
+// JF_BFLOAT16, o's dtype. Pointers 16-byte aligned except q_scales, the
+// lengths, the table and lse (4).
+typedef struct JfMlaFp8Sm90Args {
+  JfMlaFp8DecodeArgs cache;
+  const float* q_scales;  // [batch, rows]
+  const void* q_rope;     // [batch, rows, 64] bfloat16
+} JfMlaFp8Sm90Args;
+
 // Return 0 on success. On failure return non-zero and write a NUL-terminated
 // message of at most err_len bytes into err. GPU entry points enqueue work on
 // `stream` (a cudaStream_t) and never synchronise the host or allocate.
@@ -261,42 +286,16 @@ int jax_flash_fwd_sm80_paged_can_implement(const JfPagedFwdArgs* args);
 int jax_flash_fwd_sm80_paged(const JfPagedFwdArgs* args, void* stream, char* err,
                              size_t err_len);
 
-// MLA decoding against the FP8 latent cache (docs/mla.md, "The FP8 cache"),
-// the queries quantised per row by the caller as the cache's tokens are:
-//   q_codes  [batch, rows, 512] float8_e4m3fn, q_scales [batch, rows] float32,
-//   q_rope   [batch, rows, 64] bfloat16
-//   latent   [num_pages, 64, 512] float8_e4m3fn, scales [num_pages, 64]
-//            float32, rope [num_pages, 64, 64] bfloat16
-//   o        [batch * splits, rows, 512] bfloat16, lse as JfMlaDecodeArgs
-// and everything else as JfMlaDecodeArgs. Pointers 16-byte aligned except
-// q_scales, the lengths, the table and lse (4).
-typedef struct JfMlaFp8DecodeArgs {
-  int32_t batch;
-  int32_t rows;
-  int32_t heads;
-  int32_t num_pages;
-  int32_t max_pages;
-  int32_t split_pages;
-  float scale;
-  const void* q_codes;
-  const float* q_scales;
-  const void* q_rope;
-  const void* latent;
-  const float* scales;
-  const void* rope;
-  const int32_t* page_table;
-  const int32_t* q_lens;
-  const int32_t* kv_lens;
-  void* o;
-  float* lse;
-} JfMlaFp8DecodeArgs;
-
+// MLA decoding on the CPU, each sequence as one split (split_pages must equal
+// max_pages), in both cache formats.
+int jax_flash_mla_decode_cpu(const JfMlaDecodeArgs* args, char* err, size_t err_len);
+int jax_flash_mla_fp8_decode_cpu(const JfMlaFp8DecodeArgs* args, char* err, size_t err_len);
 // MLA decoding on Hopper: 1 when the current device and the arguments are served.
 int jax_flash_mla_sm90_can_implement(const JfMlaDecodeArgs* args);
 int jax_flash_mla_sm90(const JfMlaDecodeArgs* args, void* stream, char* err, size_t err_len);
 // 1 when this build holds the FP8-cache kernel (Python asks it while tracing).
 int jax_flash_mla_sm90_fp8_available(void);
-int jax_flash_mla_sm90_fp8(const JfMlaFp8DecodeArgs* args, void* stream, char* err,
+int jax_flash_mla_sm90_fp8(const JfMlaFp8Sm90Args* args, void* stream, char* err,
                            size_t err_len);
 
 #ifdef __cplusplus

@@ -1,0 +1,1 @@
+"""The Hopper (sm_90a) backward kernel and its export."""

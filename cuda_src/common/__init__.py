@@ -1,0 +1,1 @@
+"""Pieces the kernel families share: DSL helpers and the export loop."""

@@ -1,0 +1,1 @@
+"""The Hopper (sm_90a) forward kernel and its export."""
