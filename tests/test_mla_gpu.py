@@ -1,17 +1,21 @@
 """jax_flash.mla_decode's Hopper kernels (cuda_src/mla_sm90), both cache
 formats: test_mla.py's kernel checks, and for the FP8 cache its error against
-the unquantised cache, the composition and the FFI handler's own checks.
-Skipped without a Hopper GPU."""
+the unquantised cache, the composition and the FFI handler's own checks
+(skipped without a Hopper GPU); on any host, the FP8 cache's CUDA lowering."""
+
+import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_flash
 import numerics
 from jax_flash import _mla as mla
 from test_mla import (BATCHES, LATENT, SCALE, MlaKernelChecks,
-                      assert_within_fp8_error_of_unquantised, naive_fp8, run)
+                      assert_within_fp8_error_of_unquantised, make_batch, naive_fp8, run)
 
 
 @pytest.mark.gpu
@@ -77,3 +81,42 @@ class TestMlaFp8Gpu(MlaKernelChecks):
       with pytest.raises(Exception, match=match):
         jax.block_until_ready(call(**changes))
 
+
+def test_fp8_cache_lowers_to_the_hopper_kernel_per_shard(monkeypatch):
+  """Exported for CUDA as on a Hopper GPU with both kernels (its checks
+  monkeypatched, so that any host runs this): the FP8 cache calls its
+  kernel's target with the query quantised (codes, scales, RoPE columns),
+  and under an Explicit mesh over heads with each device's 16 of the 128
+  heads (one row tile: splits of 1024 keys instead of 2048)."""
+  from jax import export
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+  if len(jax.devices()) < 8:
+    pytest.skip(f"needs 8 devices, {jax.default_backend()} has {len(jax.devices())}")
+  monkeypatch.setattr(mla.api, "_platform_of", lambda *arrays: "gpu")
+  monkeypatch.setattr(mla, "_CUDA_REGISTERED", {False: True, True: True})
+  monkeypatch.setattr(mla.ffi, "gpu_compute_capability", lambda: (9, 0))
+  inputs, _ = make_batch(18, [40, 7], [1, 1], heads=128, fp8=True)
+  target = mla._CUDA_TARGETS[True]
+  attend = jax.jit(functools.partial(jax_flash.mla_decode, scale=SCALE, implementation="flash"))
+
+  def operand_types(inputs):
+    text = export.export(attend, platforms=["cuda"],
+                         disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(
+                             **inputs).mlir_module()
+    (types,) = re.findall(rf"custom_call @{target}\(.* : \(([^)]*)\) ->", text)
+    return types
+
+  pages = inputs["cache"].latent.shape[0]
+  cache = (f"tensor<{pages}x64x512xf8E4M3FN>, tensor<{pages}x64xf32>, "
+           f"tensor<{pages}x64x64xbf16>")
+  assert operand_types(inputs) == (
+      f"tensor<2x1x128x512xf8E4M3FN>, tensor<2x1x128xf32>, tensor<2x1x128x64xbf16>, {cache}, "
+      "tensor<2x32xi32>, tensor<2xi32>, tensor<2xi32>")
+  mesh = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Explicit,))
+  placed = {name: jax.device_put(x, NamedSharding(mesh, P(None, None, "tp") if name == "q"
+                                                  else P()))
+            for name, x in inputs.items()}
+  assert operand_types(placed) == (
+      f"tensor<2x1x16x512xf8E4M3FN>, tensor<2x1x16xf32>, tensor<2x1x16x64xbf16>, {cache}, "
+      "tensor<2x16xi32>, tensor<2xi32>, tensor<2xi32>")
