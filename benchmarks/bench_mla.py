@@ -11,8 +11,10 @@ heads (the compute-bound case) or 16 (one tensor-parallel shard of 128: the
 memory-bound case). Implementations of one shape run in turn:
 
 * ``jax_flash``: ``mla_decode`` with ``implementation="flash"`` (a shape
-  it cannot serve is reported and skipped): the Hopper kernel on a GPU, the
-  CPU kernel with ``--cpu-sizes``, which also runs ``implementation="xla"``.
+  it cannot serve is reported and skipped): on a Hopper GPU the kernels of
+  cuda_src/mla_sm90, for the FP8 cache kernel_fp8.py, its time including the
+  queries' quantisation that ``mla_decode`` does before it; the CPU kernel
+  with ``--cpu-sizes``, which also runs ``implementation="xla"``.
 * ``xla`` ``gather``: plain JAX over the gathered pages (the FP8 cache
   dequantised to bfloat16 first): bfloat16 products with float32
   accumulation, a float32 softmax.

@@ -8,14 +8,15 @@ the queries, decoding is multi-query attention with head dim 576 for
 ``jax_flash.paged_attention`` (its page table, lengths and causal rule),
 in pages of 64 tokens.
 
-On Hopper GPUs the bfloat16 / float16 cache runs jax_flash's kernel
-(``cuda_src/mla_sm90``): the keys of each sequence cut into splits of a
-fixed number of keys, one CTA per 64 packed query rows (s_q x heads) and
-split, the splits merged by ``paged.merge_splits``. On CPUs both formats run
-``cuda_src/cpu/mla_cpu.cc``, each sequence whole. Every other call (the FP8
-cache on GPUs, other GPUs) runs the XLA composition (``mla_reference``). The
-kernels shard over heads (the cache replicated) and batch, with no
-communication (``sharding.paged_partitioned``).
+On Hopper GPUs both cache formats run jax_flash's kernels
+(``cuda_src/mla_sm90``: kernel.py for bfloat16 / float16, kernel_fp8.py for
+FP8, its queries quantised here first, as ``mla_fp8.fp8_reference`` does):
+the keys of each sequence cut into splits of a fixed number of keys, one
+CTA per 64 packed query rows (s_q x heads) and split, the splits merged by
+``paged.merge_splits``. On CPUs both formats run ``cuda_src/cpu/mla_cpu.cc``,
+each sequence whole. Every other call (other GPUs) runs the XLA composition
+(``mla_reference``). The kernels shard over heads (the cache replicated) and
+batch, with no communication (``sharding.paged_partitioned``).
 """
 
 import functools
@@ -37,8 +38,8 @@ __all__ = ["MlaFp8Cache", "empty_mla_cache", "mla_decode", "mla_reference", "qua
            "write_mla_cache"]
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_MLA_TARGET = "jax_flash_gpu_mla_decode_v1"
-# The CPU kernel's targets by cache format: FP8 or not.
+# The kernels' FFI targets by platform and cache format (FP8 or not).
+_CUDA_TARGETS = {False: "jax_flash_gpu_mla_decode_v1", True: "jax_flash_gpu_mla_decode_fp8_v1"}
 _CPU_TARGETS = {False: "jax_flash_cpu_mla_decode_v1", True: "jax_flash_cpu_mla_decode_fp8_v1"}
 # The kernel's query rows per CTA (cuda_src/mla_sm90/kernel.py: ROWS).
 _ROW_TILE = 64
@@ -51,16 +52,25 @@ _SPLIT_KEYS_ONE_TILE = 1024
 _SPLIT_KEYS = 2048
 
 
-def _register_cuda() -> bool:
+def _register_cuda(handler_name: str, target: str, has_kernel) -> bool:
+  """Registers the handler when the library holds it and its kernel."""
   library = ffi._cuda_library
-  handler = getattr(library, "JaxFlashMlaDecodeCuda", None) if library is not None else None
-  if handler is None or getattr(library, "jax_flash_mla_sm90", None) is None:
+  handler = getattr(library, handler_name, None) if library is not None else None
+  if handler is None or not has_kernel(library):
     return False
-  jax.ffi.register_ffi_target(_MLA_TARGET, jax.ffi.pycapsule(handler), platform="CUDA")
+  jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="CUDA")
   return True
 
 
-_CUDA_REGISTERED = _register_cuda()
+# Whether the Hopper kernel of each cache format (FP8 or not) is registered;
+# the FP8 one is in the library when export.py exported it (not under --only).
+_CUDA_REGISTERED = {
+    False: _register_cuda("JaxFlashMlaDecodeCuda", _CUDA_TARGETS[False],
+                          lambda library: getattr(library, "jax_flash_mla_sm90", None) is not None),
+    True: _register_cuda(
+        "JaxFlashMlaFp8DecodeCuda", _CUDA_TARGETS[True],
+        lambda library: getattr(library, "jax_flash_mla_sm90_fp8_available", None) is not None
+        and library.jax_flash_mla_sm90_fp8_available() == 1)}
 for _name, _capsule in _cpu_ffi.mla_registrations().items():
   jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 
@@ -103,8 +113,8 @@ def mla_decode(q, cache, page_table, cache_lengths, *, scale, query_lengths=None
     implementation: ``None`` runs jax_flash's kernel where one applies and
       the XLA composition elsewhere; ``"flash"`` raises
       ``NotImplementedError`` where no kernel applies; ``"xla"``: the XLA
-      composition (``mla_reference``). The kernels: the bfloat16 / float16
-      cache on a Hopper GPU, both formats on a CPU.
+      composition (``mla_reference``). The kernels: both cache formats on a
+      Hopper GPU and on a CPU.
 
   Page ids and lengths are checked when they are concrete; inside ``jit`` a
   page id outside the pool reads zeros and lengths clip to the table. A NaN
@@ -177,12 +187,13 @@ _GPU_FROM_ELSEWHERE = ("an MLA decode call traced without a GPU has no GPU kerne
 
 
 def _mla_kernel(q, cache, page_table, cache_lengths, query_lengths, *, scale: float):
-  """The Hopper kernel: per (64 packed query rows, sequence, split) a
+  """The Hopper kernels: per (64 packed query rows, sequence, split) a
   partial result, merged in ``paged.merge_splits``'s fixed order."""
   s_q, heads = q.shape[1:3]
+  fp8 = isinstance(cache, MlaFp8Cache)
   split_keys = _SPLIT_KEYS_ONE_TILE if s_q * heads <= _ROW_TILE else _SPLIT_KEYS
-  return _split_kernel(_MLA_TARGET, q, cache, page_table, cache_lengths, query_lengths,
-                       scale=scale, split_pages=split_keys // PAGE_SIZE)
+  return _split_kernel(_CUDA_TARGETS[fp8], q, cache, page_table, cache_lengths, query_lengths,
+                       scale=scale, split_pages=split_keys // PAGE_SIZE, quantize_query=fp8)
 
 
 def _mla_kernel_cpu(q, cache, page_table, cache_lengths, query_lengths, *, scale: float):
@@ -193,9 +204,9 @@ def _mla_kernel_cpu(q, cache, page_table, cache_lengths, query_lengths, *, scale
 
 
 def _split_kernel(target, q, cache, page_table, cache_lengths, query_lengths, *, scale: float,
-                  split_pages: int):
+                  split_pages: int, quantize_query: bool = False):
   """A kernel call over splits of ``split_pages`` pages of each sequence,
-  per shard, and the splits merged."""
+  per shard, and the splits merged; ``quantize_query``: see ``_ffi_call``."""
   batch, s_q, heads, _ = q.shape
   max_pages = page_table.shape[1]
   splits = max(-(-max_pages // split_pages), 1)
@@ -205,23 +216,27 @@ def _split_kernel(target, q, cache, page_table, cache_lengths, query_lengths, *,
   pools = jax.tree.leaves(cache)
   kernel = sharding.paged_partitioned(
       functools.partial(_ffi_call, target, pools=len(pools), scale=scale,
-                        split_pages=split_pages),
+                        split_pages=split_pages, quantize_query=quantize_query),
       splits, pool_ranks=tuple(pool.ndim for pool in pools))
   out, lse = kernel(q, *pools, table, query_lengths, cache_lengths)
   return paged.merge_splits(out.reshape(batch, splits, s_q, heads, LATENT_DIM),
                             lse.reshape(batch, splits, heads, s_q))
 
 
-def _ffi_call(target, q, *operands, pools: int, scale: float, split_pages: int):
+def _ffi_call(target, q, *operands, pools: int, scale: float, split_pages: int,
+              quantize_query: bool):
   """One kernel call on (the local shards of) ``q, *pools, table, q_lens,
   kv_lens``: out ``[batch * splits, s_q, heads, 512]`` and lse ``[batch *
-  splits, heads, s_q]``."""
+  splits, heads, s_q]``. With ``quantize_query`` (the FP8 cache's Hopper
+  kernel) q goes in as its three parts from ``quantize_latent``, per token and
+  head, so that its codes are the reference's bit for bit on any shard."""
   batch, s_q, heads, _ = q.shape
   splits = operands[pools].shape[1] // split_pages
   out_types = (jax.ShapeDtypeStruct((batch * splits, s_q, heads, LATENT_DIM), q.dtype),
                jax.ShapeDtypeStruct((batch * splits, s_q, heads), jnp.float32))
   out, lse = jax.ffi.ffi_call(target, out_types)(
-      q, *operands, scale=np.float32(scale), split_pages=np.int32(split_pages))
+      *(quantize_latent(q) if quantize_query else (q,)), *operands, scale=np.float32(scale),
+      split_pages=np.int32(split_pages))
   return out, jnp.swapaxes(lse, 1, 2)
 
 
@@ -284,12 +299,10 @@ def empty_mla_cache(num_pages: int, kv_dtype=jnp.bfloat16):
 
 def _kernel_unavailable_reason(q, cache) -> str | None:
   """Why the Hopper kernel cannot serve this call on this GPU, or None."""
-  if isinstance(cache, MlaFp8Cache):
-    return ("jax_flash has no GPU MLA decode kernel for the FP8 latent cache yet (the Hopper "
-            "kernel serves the bfloat16 / float16 cache); implementation=None or 'xla' runs the "
-            "XLA composition")
-  if not _CUDA_REGISTERED:
-    return "this installation holds no MLA decode kernel for GPUs"
+  fp8 = isinstance(cache, MlaFp8Cache)
+  if not _CUDA_REGISTERED[fp8]:
+    return (f"this installation holds no MLA decode kernel for GPUs for the "
+            f"{'FP8' if fp8 else 'bfloat16 / float16'} cache")
   capability = ffi.gpu_compute_capability()
   if capability is None or capability[0] != 9:
     return f"the MLA decode kernel needs a Hopper GPU (compute capability 9.x), got {capability}"

@@ -11,7 +11,7 @@ only as key. Two formats:
   latent sits near 0 (docs/mla.md), so one scale over all 576 columns would
   leave the latent a few of e4m3's codes, or none.
 
-The FP8 reference (``fp8_reference``) computes what the Hopper kernel will:
+The FP8 reference (``fp8_reference``) computes what the Hopper kernel does:
 queries quantised the same way per token and head; ``Q K^T`` as the FP8
 latent product with both scales applied, plus the bfloat16 RoPE product, in
 one float32 accumulator; ``P V`` against the raw e4m3 latent with the

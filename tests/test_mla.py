@@ -5,8 +5,8 @@ invariance, tensor-parallel heads, the cache writes and the errors.
 
 The module-level checks run the XLA composition; MlaKernelChecks, the
 kernels' checks through the same helpers with implementation="flash", run on
-the Hopper kernel (TestMlaGpu, bfloat16 / float16 cache; skipped without a
-Hopper GPU) and on the CPU kernel (test_mla_cpu.py, both formats)."""
+the Hopper kernels (test_mla_gpu.py, both formats; skipped without a Hopper
+GPU) and on the CPU kernel (test_mla_cpu.py, both formats)."""
 
 import functools
 import json
@@ -185,14 +185,15 @@ def naive_fp8(inputs, rows):
   return each_sequence(inputs, attend)
 
 
-def assert_matches(got, inputs, rows, label):
+def assert_matches(got, inputs, rows, label, fp8_floor=jnp.float32):
   """The tolerance principle: the bfloat16 cache against the float64
   reference (naive: bfloat16 products); the FP8 cache against the float64
-  reference over its dequantised query and cache (naive: naive_fp8)."""
+  reference over its dequantised query and cache (naive: naive_fp8), with
+  the rounding floor of ``fp8_floor`` (MlaKernelChecks.fp8_floor)."""
   longest = max(max(len(r) for r in rows), 1)
   if isinstance(inputs["cache"], mla.MlaFp8Cache):
     ref = attention_over(inputs, rows, dequantize=True)
-    naive, dtype = naive_fp8(inputs, rows), jnp.float32
+    naive, dtype = naive_fp8(inputs, rows), fp8_floor
   else:
     dtype, sinks = inputs["q"].dtype, inputs.get("sinks")
     ref = attention_over(inputs, rows, sinks=sinks)
@@ -583,11 +584,14 @@ def test_benchmark_scripts_run_on_cpu(tmp_path):
 
 
 class MlaKernelChecks:
-  """What jax_flash's MLA kernels satisfy (implementation="flash"): TestMlaGpu
-  runs them on the Hopper kernel, test_mla_cpu.TestMlaCpu on the CPU kernel.
-  conftest.py parametrises the tests' dtype from ``dtypes``, the cache
-  formats (float8_e4m3fn: the MlaFp8Cache, bfloat16 queries)."""
+  """What jax_flash's MLA kernels satisfy (implementation="flash"):
+  test_mla_gpu.py runs them on the Hopper kernels, test_mla_cpu.TestMlaCpu on
+  the CPU kernel. conftest.py parametrises the tests' dtype from ``dtypes``,
+  the cache formats (float8_e4m3fn: the MlaFp8Cache, bfloat16 queries);
+  ``fp8_floor``: the rounding floor of the FP8 cache's comparisons
+  (assert_matches)."""
   dtypes = (jnp.bfloat16, jnp.float16)
+  fp8_floor = jnp.float32
 
   def run(self, inputs, **kwargs):
     return run(inputs, implementation="flash", **kwargs)
@@ -601,7 +605,7 @@ class MlaKernelChecks:
   def test_matches_float64(self, dtype):
     for lengths, new in BATCHES:
       inputs, rows = self.batch(len(lengths), lengths, new, dtype)
-      assert_matches(self.run(inputs), inputs, rows, f"{lengths} {new}")
+      assert_matches(self.run(inputs), inputs, rows, f"{lengths} {new}", self.fp8_floor)
 
   @pytest.mark.parametrize("heads, s_q", [
       (16, 1), (16, 2), (128, 2), pytest.param(64, 1, marks=pytest.mark.slow),
@@ -611,7 +615,7 @@ class MlaKernelChecks:
     lengths = [4097, 1000, 17, 1]
     new = [s_q, 1, s_q, 1]
     inputs, rows = self.batch(heads + s_q, lengths, new, dtype, heads=heads)
-    assert_matches(self.run(inputs), inputs, rows, f"heads {heads} s_q {s_q}")
+    assert_matches(self.run(inputs), inputs, rows, f"heads {heads} s_q {s_q}", self.fp8_floor)
 
   def test_batch_invariant(self, dtype):
     """A sequence's rows bitwise: alone and in another slot of a larger
@@ -634,18 +638,28 @@ class MlaKernelChecks:
     assert np.isfinite(got[0]).all()
 
   def test_visible_nan_reaches_exactly_the_rows_that_see_it(self, dtype):
+    """A non-finite value in token 999 of sequence 0, visible to its second
+    row only; in the FP8 cache in each part: a NaN scale or code, an Inf of
+    either sign in a RoPE column (a logit of -inf would otherwise just hide
+    the key)."""
     inputs, _ = self.batch(21, [1000, 90], [2, 1], dtype)
     page, row = int(inputs["page_table"][0, 999 // PAGE]), 999 % PAGE
     cache = inputs["cache"]
-    poisoned = (cache._replace(scales=cache.scales.at[page, row].set(jnp.nan))
-                if isinstance(cache, mla.MlaFp8Cache) else cache.at[page, row, 5].set(jnp.nan))
+    if isinstance(cache, mla.MlaFp8Cache):
+      poisoned = [cache._replace(scales=cache.scales.at[page, row].set(jnp.nan)),
+                  cache._replace(latent=cache.latent.at[page, row, 7].set(jnp.nan)),
+                  cache._replace(rope=cache.rope.at[page, row, 3].set(jnp.inf)),
+                  cache._replace(rope=cache.rope.at[page, row, 3].set(-jnp.inf))]
+    else:
+      poisoned = [cache.at[page, row, 5].set(jnp.nan)]
     clean_out, clean_lse = self.run(inputs)
-    out, lse = self.run(dict(inputs, cache=poisoned))
-    # The row that sees token 999 (the first is token 998), every head: all NaN.
-    assert np.isnan(out[0, 1]).all() and np.isnan(lse[0, :, 1]).all()
-    out[0, 1], lse[0, :, 1] = clean_out[0, 1], clean_lse[0, :, 1]
-    np.testing.assert_array_equal(out, clean_out)
-    np.testing.assert_array_equal(lse, clean_lse)
+    for cache in poisoned:
+      out, lse = self.run(dict(inputs, cache=cache))
+      # The row that sees token 999 (the first is token 998), every head: all NaN.
+      assert np.isnan(out[0, 1]).all() and np.isnan(lse[0, :, 1]).all()
+      out[0, 1], lse[0, :, 1] = clean_out[0, 1], clean_lse[0, :, 1]
+      np.testing.assert_array_equal(out, clean_out)
+      np.testing.assert_array_equal(lse, clean_lse)
 
   def test_sinks(self, dtype):
     for lengths, new in BATCHES:
@@ -664,13 +678,3 @@ class MlaKernelChecks:
     assert np.all(out[0] == 0) and np.all(lse[0] == -np.inf)
     assert np.all(out[1, 1] == 0) and np.all(lse[1, :, 1] == -np.inf)
     assert np.isfinite(out[1, 0]).all()
-
-
-@pytest.mark.gpu
-class TestMlaGpu(MlaKernelChecks):
-  """The Hopper kernel (bfloat16 / float16 cache)."""
-
-  def test_fp8_cache_names_what_is_missing(self):
-    inputs, _ = make_batch(15, [40], [1], fp8=True)
-    with pytest.raises(NotImplementedError, match="no GPU MLA decode kernel for the FP8"):
-      jax_flash.mla_decode(**inputs, scale=SCALE, implementation="flash")

@@ -193,6 +193,27 @@ ffi::Error MlaDecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer c
   return MlaDecode(launch, q, cache, page_table, q_lens, kv_lens, o, lse, scale, split_pages);
 }
 
+ffi::Error MlaFp8DecodeCuda(cudaStream_t stream, ffi::AnyBuffer q_codes, ffi::AnyBuffer q_scales,
+                            ffi::AnyBuffer q_rope, ffi::AnyBuffer latent, ffi::AnyBuffer scales,
+                            ffi::AnyBuffer rope, ffi::AnyBuffer page_table,
+                            ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
+                            ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                            float scale, int32_t split_pages) {
+  g_handler_calls.fetch_add(1, std::memory_order_relaxed);
+  auto launch = [stream](const JfMlaFp8Sm90Args& args) {
+    return CallKernel([&](char* err, size_t n) {
+#ifdef JF_HAVE_MLA_SM90
+      return jax_flash_mla_sm90_fp8(&args, stream, err, n);
+#else
+      std::snprintf(err, n, "this build holds no Hopper kernels for MLA decoding");
+      return 1;
+#endif
+    });
+  };
+  return MlaFp8QuantisedDecode(launch, q_codes, q_scales, q_rope, latent, scales, rope, page_table,
+                               q_lens, kv_lens, o, lse, scale, split_pages);
+}
+
 }  // namespace
 }  // namespace jax_flash
 
@@ -241,5 +262,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFlashFp8FwdCuda, jax_flash::Fp8FwdCuda,
     jax_flash::BindFp8Forward(
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFlashMlaFp8DecodeCuda, jax_flash::MlaFp8DecodeCuda,
+    jax_flash::BindMlaFp8QuantisedDecode(
         xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
     {xla::ffi::Traits::kCmdBufferCompatible});

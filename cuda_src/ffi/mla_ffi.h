@@ -1,5 +1,6 @@
-// The XLA FFI handler of MLA decoding (kernel_api.h: JfMlaDecodeArgs):
-// decodes and validates the buffers, then calls the kernel's entry point.
+// The XLA FFI handlers of MLA decoding (kernel_api.h: JfMlaDecodeArgs,
+// JfMlaFp8DecodeArgs and JfMlaFp8Sm90Args): decode and validate the buffers,
+// then call the kernel's entry point.
 #ifndef JAX_FLASH_MLA_FFI_H_
 #define JAX_FLASH_MLA_FFI_H_
 
@@ -12,28 +13,34 @@
 
 namespace jax_flash {
 
-constexpr int64_t kMlaPage = 64, kMlaWidth = 576, kMlaLatent = 512;
+constexpr int64_t kMlaPage = 64, kMlaWidth = 576, kMlaLatent = 512, kMlaRope = 64;
 
-// Checks q [batch, s_q, heads, 576], page_table [batch, max_pages] int32,
-// q_lens / kv_lens [batch] int32, o [batch * splits, s_q, heads, 512] in q's
-// dtype and lse [batch * splits, s_q, heads] float32 (splits = max_pages /
-// split_pages: the caller merges them) and fills args, all but the cache.
-inline ffi::Error MlaOperands(ffi::AnyBuffer q, ffi::AnyBuffer page_table, ffi::AnyBuffer q_lens,
-                              ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer>& o,
-                              ffi::Result<ffi::AnyBuffer>& lse, float scale, int32_t split_pages,
-                              int64_t num_pages, JfMlaDecodeArgs* args) {
-  int64_t qd[4], od[4];
-  if (auto e = ReadRank4("q", q, qd); e.failure()) return e;
+// Checks that the query part `name` is [batch, s_q, heads > 0, width] and
+// reads its extents into qd.
+inline ffi::Error MlaQueryShape(const char* name, const ffi::AnyBuffer& q, int64_t width,
+                                int64_t qd[4]) {
+  if (auto e = ReadRank4(name, q, qd); e.failure()) return e;
+  if (qd[3] != width || qd[2] <= 0 || !FitsInt32(qd[1] * qd[2])) {
+    return Invalid(std::string(name) + " must be [batch, s_q, heads > 0, " +
+                   std::to_string(width) + "], got " + ShapeString(q.dimensions()));
+  }
+  return ffi::Error::Success();
+}
+
+// For a query of extents qd [batch, s_q, heads, ...]: checks page_table
+// [batch, max_pages] int32, q_lens / kv_lens [batch] int32, o [batch *
+// splits, s_q, heads, 512] and lse [batch * splits, s_q, heads] float32
+// (splits = max_pages / split_pages: the caller merges them) and fills args,
+// all but dtype, q and the cache.
+inline ffi::Error MlaTablesAndResults(const int64_t qd[4], ffi::AnyBuffer page_table,
+                                      ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
+                                      ffi::Result<ffi::AnyBuffer>& o,
+                                      ffi::Result<ffi::AnyBuffer>& lse, float scale,
+                                      int32_t split_pages, int64_t num_pages,
+                                      JfMlaDecodeArgs* args) {
+  int64_t od[4];
   if (auto e = ReadRank4("o", *o, od); e.failure()) return e;
   const int64_t batch = qd[0], s_q = qd[1], heads = qd[2];
-  if (qd[3] != kMlaWidth || heads <= 0 || !FitsInt32(s_q * heads)) {
-    return Invalid("q must be [batch, s_q, heads > 0, 576], got " + ShapeString(q.dimensions()));
-  }
-  JfDtype dtype;
-  if (!ToJfDtype(q.element_type(), &dtype) || dtype == JF_FLOAT32) {
-    return Invalid("q must be float16 or bfloat16");
-  }
-  if (o->element_type() != q.element_type()) return Invalid("q and o must share one dtype");
   const auto table = page_table.dimensions();
   if (page_table.element_type() != ffi::DataType::S32 || table.size() != 2 ||
       table[0] != batch || table[1] <= 0 || !FitsInt32(table[1]) || split_pages <= 0 ||
@@ -53,7 +60,6 @@ inline ffi::Error MlaOperands(ffi::AnyBuffer q, ffi::AnyBuffer page_table, ffi::
     return e;
   if (auto e = ExpectElements("q_lens", q_lens, ffi::DataType::S32, batch); e.failure()) return e;
   if (auto e = ExpectElements("kv_lens", kv_lens, ffi::DataType::S32, batch); e.failure()) return e;
-  args->dtype = dtype;
   args->batch = static_cast<int32_t>(batch);
   args->rows = static_cast<int32_t>(s_q * heads);
   args->heads = static_cast<int32_t>(heads);
@@ -61,12 +67,31 @@ inline ffi::Error MlaOperands(ffi::AnyBuffer q, ffi::AnyBuffer page_table, ffi::
   args->max_pages = static_cast<int32_t>(table[1]);
   args->split_pages = split_pages;
   args->scale = scale;
-  args->q = q.untyped_data();
   args->page_table = static_cast<const int32_t*>(page_table.untyped_data());
   args->q_lens = static_cast<const int32_t*>(q_lens.untyped_data());
   args->kv_lens = static_cast<const int32_t*>(kv_lens.untyped_data());
   args->o = o->untyped_data();
   args->lse = static_cast<float*>(lse->untyped_data());
+  return ffi::Error::Success();
+}
+
+// Checks q [batch, s_q, heads, 576] float16 / bfloat16 (o in its dtype) and
+// everything MlaTablesAndResults checks; fills args, all but the cache.
+inline ffi::Error MlaOperands(ffi::AnyBuffer q, ffi::AnyBuffer page_table, ffi::AnyBuffer q_lens,
+                              ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer>& o,
+                              ffi::Result<ffi::AnyBuffer>& lse, float scale, int32_t split_pages,
+                              int64_t num_pages, JfMlaDecodeArgs* args) {
+  int64_t qd[4];
+  if (auto e = MlaQueryShape("q", q, kMlaWidth, qd); e.failure()) return e;
+  if (!ToJfDtype(q.element_type(), &args->dtype) || args->dtype == JF_FLOAT32) {
+    return Invalid("q must be float16 or bfloat16");
+  }
+  if (o->element_type() != q.element_type()) return Invalid("q and o must share one dtype");
+  if (auto e = MlaTablesAndResults(qd, page_table, q_lens, kv_lens, o, lse, scale, split_pages,
+                                   num_pages, args);
+      e.failure())
+    return e;
+  args->q = q.untyped_data();
   return ffi::Error::Success();
 }
 
@@ -109,40 +134,89 @@ ffi::Error MlaDecode(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer cache,
   return launch(args);
 }
 
-// The FP8 cache (jax_flash.MlaFp8Cache): latent [num_pages, 64, 512]
+// Checks the FP8 cache (jax_flash.MlaFp8Cache): latent [num_pages, 64, 512]
 // float8_e4m3fn, scales [num_pages, 64] float32, rope [num_pages, 64, 64]
-// bfloat16; q bfloat16.
+// bfloat16; fills the cache's pointers of args (mla.cache, scales, rope).
+inline ffi::Error MlaFp8Pools(const ffi::AnyBuffer& latent, const ffi::AnyBuffer& scales,
+                              const ffi::AnyBuffer& rope, int64_t* pages,
+                              JfMlaFp8DecodeArgs* args) {
+  *pages = -1;
+  if (auto e = MlaPool("latent", latent, ffi::DataType::F8E4M3FN, "float8_e4m3fn", {kMlaLatent},
+                       pages);
+      e.failure())
+    return e;
+  if (auto e = MlaPool("scales", scales, ffi::DataType::F32, "float32", {}, pages); e.failure())
+    return e;
+  if (auto e = MlaPool("rope", rope, ffi::DataType::BF16, "bfloat16", {kMlaRope}, pages);
+      e.failure())
+    return e;
+  args->mla.cache = latent.untyped_data();
+  args->scales = static_cast<const float*>(scales.untyped_data());
+  args->rope = rope.untyped_data();
+  return ffi::Error::Success();
+}
+
+// The FP8 cache with q [batch, s_q, heads, 576] bfloat16 (the CPU kernel
+// quantises it itself).
 template <typename Launch>
 ffi::Error MlaFp8Decode(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer latent,
                         ffi::AnyBuffer scales, ffi::AnyBuffer rope, ffi::AnyBuffer page_table,
                         ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
                         ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                         float scale, int32_t split_pages) {
-  int64_t pages = -1;
-  if (auto e = MlaPool("latent", latent, ffi::DataType::F8E4M3FN, "float8_e4m3fn", {kMlaLatent},
-                       &pages);
-      e.failure())
-    return e;
-  if (auto e = MlaPool("scales", scales, ffi::DataType::F32, "float32", {}, &pages); e.failure())
-    return e;
-  if (auto e = MlaPool("rope", rope, ffi::DataType::BF16, "bfloat16", {kMlaWidth - kMlaLatent},
-                       &pages);
-      e.failure())
-    return e;
-  if (q.element_type() != ffi::DataType::BF16) return Invalid("q must be bfloat16");
   JfMlaFp8DecodeArgs args{};
+  int64_t pages;
+  if (auto e = MlaFp8Pools(latent, scales, rope, &pages, &args); e.failure()) return e;
+  if (q.element_type() != ffi::DataType::BF16) return Invalid("q must be bfloat16");
   if (auto e = MlaOperands(q, page_table, q_lens, kv_lens, o, lse, scale, split_pages, pages,
                            &args.mla);
       e.failure())
     return e;
-  args.mla.cache = latent.untyped_data();
-  args.scales = static_cast<const float*>(scales.untyped_data());
-  args.rope = rope.untyped_data();
+  return launch(args);
+}
+
+// The FP8 cache with the query quantised by the caller (the Hopper kernel,
+// kernel_api.h: JfMlaFp8Sm90Args): q_codes [batch, s_q, heads, 512]
+// float8_e4m3fn, q_scales [batch, s_q, heads] float32, q_rope [batch, s_q,
+// heads, 64] bfloat16; o bfloat16.
+template <typename Launch>
+ffi::Error MlaFp8QuantisedDecode(Launch&& launch, ffi::AnyBuffer q_codes, ffi::AnyBuffer q_scales,
+                                 ffi::AnyBuffer q_rope, ffi::AnyBuffer latent,
+                                 ffi::AnyBuffer scales, ffi::AnyBuffer rope,
+                                 ffi::AnyBuffer page_table, ffi::AnyBuffer q_lens,
+                                 ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> o,
+                                 ffi::Result<ffi::AnyBuffer> lse, float scale,
+                                 int32_t split_pages) {
+  JfMlaFp8Sm90Args args{};
+  int64_t pages;
+  if (auto e = MlaFp8Pools(latent, scales, rope, &pages, &args.cache); e.failure()) return e;
+  int64_t qd[4];
+  if (auto e = MlaQueryShape("q_codes", q_codes, kMlaLatent, qd); e.failure()) return e;
+  if (q_codes.element_type() != ffi::DataType::F8E4M3FN) {
+    return Invalid("q_codes must be float8_e4m3fn");
+  }
+  if (auto e = ExpectShape("q_rope", q_rope.dimensions(), qd[0], qd[1], qd[2], kMlaRope);
+      e.failure())
+    return e;
+  if (q_rope.element_type() != ffi::DataType::BF16) return Invalid("q_rope must be bfloat16");
+  if (auto e = ExpectElements("q_scales", q_scales, ffi::DataType::F32, qd[0] * qd[1] * qd[2]);
+      e.failure())
+    return e;
+  if (o->element_type() != ffi::DataType::BF16) return Invalid("o must be bfloat16");
+  JfMlaDecodeArgs& mla = args.cache.mla;
+  if (auto e = MlaTablesAndResults(qd, page_table, q_lens, kv_lens, o, lse, scale, split_pages,
+                                   pages, &mla);
+      e.failure())
+    return e;
+  mla.dtype = JF_BFLOAT16;
+  mla.q = q_codes.untyped_data();
+  args.q_scales = static_cast<const float*>(q_scales.untyped_data());
+  args.q_rope = q_rope.untyped_data();
   return launch(args);
 }
 
 // The operands after the cache's, the results and the attributes: the same
-// for both cache formats.
+// for every MLA binding.
 template <typename Binding>
 auto BindMlaTablesAndResults(Binding&& binding) {
   return std::forward<Binding>(binding)
@@ -166,6 +240,17 @@ template <typename Binding>
 auto BindMlaFp8Decode(Binding&& binding) {
   return BindMlaTablesAndResults(std::forward<Binding>(binding)
       .template Arg<ffi::AnyBuffer>()    // q
+      .template Arg<ffi::AnyBuffer>()    // latent
+      .template Arg<ffi::AnyBuffer>()    // scales
+      .template Arg<ffi::AnyBuffer>());  // rope
+}
+
+template <typename Binding>
+auto BindMlaFp8QuantisedDecode(Binding&& binding) {
+  return BindMlaTablesAndResults(std::forward<Binding>(binding)
+      .template Arg<ffi::AnyBuffer>()    // q_codes
+      .template Arg<ffi::AnyBuffer>()    // q_scales
+      .template Arg<ffi::AnyBuffer>()    // q_rope
       .template Arg<ffi::AnyBuffer>()    // latent
       .template Arg<ffi::AnyBuffer>()    // scales
       .template Arg<ffi::AnyBuffer>());  // rope

@@ -1,1 +1,1 @@
-"""The Hopper (sm_90a) MLA decoding kernel and its export."""
+"""The Hopper (sm_90a) MLA decoding kernels, one per cache format, and their export."""

@@ -249,6 +249,19 @@ typedef struct JfMlaFp8DecodeArgs {
   const void* rope;     // [num_pages, 64, 64] bfloat16
 } JfMlaFp8DecodeArgs;
 
+// MLA decoding on Hopper against the FP8 cache, its queries quantised by the
+// caller per token and head as the cache's tokens are (jax_flash/_mla.py:
+// quantize_latent): cache.mla.q holds the query's latent codes [batch, rows,
+// 512] float8_e4m3fn (not q [batch, rows, 576]), q_scales their float32
+// scales and q_rope the query's RoPE columns in bfloat16; cache.mla.dtype is
+// JF_BFLOAT16, o's dtype. Pointers 16-byte aligned except q_scales, the
+// lengths, the table and lse (4).
+typedef struct JfMlaFp8Sm90Args {
+  JfMlaFp8DecodeArgs cache;
+  const float* q_scales;  // [batch, rows]
+  const void* q_rope;     // [batch, rows, 64] bfloat16
+} JfMlaFp8Sm90Args;
+
 // Return 0 on success. On failure return non-zero and write a NUL-terminated
 // message of at most err_len bytes into err. GPU entry points enqueue work on
 // `stream` (a cudaStream_t) and never synchronise the host or allocate.
@@ -312,6 +325,10 @@ int jax_flash_mla_fp8_decode_cpu(const JfMlaFp8DecodeArgs* args, char* err, size
 // MLA decoding on Hopper: 1 when the current device and the arguments are served.
 int jax_flash_mla_sm90_can_implement(const JfMlaDecodeArgs* args);
 int jax_flash_mla_sm90(const JfMlaDecodeArgs* args, void* stream, char* err, size_t err_len);
+// 1 when this build holds the FP8-cache kernel (Python asks it while tracing).
+int jax_flash_mla_sm90_fp8_available(void);
+int jax_flash_mla_sm90_fp8(const JfMlaFp8Sm90Args* args, void* stream, char* err,
+                           size_t err_len);
 
 #ifdef __cplusplus
 }
