@@ -374,10 +374,11 @@ class MlaDecodeSm90:
 
     @cute.jit
     def _store(self, tid, wg, acc_O, acc_O_mn, tOsO, tScS, row_max, row_sum, scale_log2, sO_wg,
-               sRow, tma_o, mO, mLSE, split, heads, rows, row_tile, out_idx):
+               sRow, tma_o, mO, mLSE, split, heads, rows, row_tile, out_idx, unit=None):
         """O normalised (zeros for rows that see no key or are padding),
         the natural-log LSE (-inf for those rows; NaN for a row that saw a
-        NaN logit), and O stored through Q's memory with TMA."""
+        NaN logit), and O stored through shared memory with TMA. `unit`:
+        per row, the unit O is held in (the FP8 kernel's P scale), if any."""
         num_rows = cute.size(acc_O_mn, mode=[0])
         totals = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         for r in cutlass.range_constexpr(num_rows):
@@ -389,6 +390,8 @@ class MlaDecodeSm90:
             row = row_tile * ROWS + tScS[r, 0][0]
             seen = total != 0.0 and row // heads < split.q_len
             inv = cute.arch.rcp_approx(total)
+            if cutlass.const_expr(unit is not None):
+                inv = unit[r] * inv
             lse = -cutlass.Float32.inf
             if seen:
                 lse = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
@@ -398,7 +401,8 @@ class MlaDecodeSm90:
                 mLSE[out_idx, row] = lse
         rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        # Both consumers must be done reading Q before O overwrites it.
+        # Both consumers must be done with the memory O overwrites (Q in
+        # this kernel, the V tiles of the last P V product in the FP8 one).
         cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=CONSUMERS * WG_THREADS)
         cute.autovec_copy(rO, tOsO)
         cute.arch.fence_proxy("async.shared", space="cta")

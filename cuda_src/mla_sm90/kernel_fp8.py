@@ -432,8 +432,8 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
             kv_state.advance()
             v_state.advance()
 
-        self._store_fp8(tid, wg, acc_O, acc_O_mn, tOsO, tScS, row_max, row_sum, unit, scale_log2,
-                        sO_wg, sRow_max, tma_o, mO, mLSE, split, heads, rows, row_tile, out_idx)
+        self._store(tid, wg, acc_O, acc_O_mn, tOsO, tScS, row_max, row_sum, scale_log2, sO_wg,
+                    sRow_max, tma_o, mO, mLSE, split, heads, rows, row_tile, out_idx, unit=unit)
 
     @cute.jit
     def _requantize_p(self, acc_S_mn, acc_O_mn, key_scale, factor, p_amax, unit, largest, tScS,
@@ -466,46 +466,6 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
                 acc_S_mn[r, c] = acc_S_mn[r, c] * inverse
             for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                 acc_O_mn[r, c] = acc_O_mn[r, c] * rescale
-
-    @cute.jit
-    def _store_fp8(self, tid, wg, acc_O, acc_O_mn, tOsO, tScS, row_max, row_sum, unit,
-                   scale_log2, sO_wg, sRow, tma_o, mO, mLSE, split, heads, rows, row_tile,
-                   out_idx):
-        """kernel.py's _store with O in units of the last page's P scale."""
-        num_rows = cute.size(acc_O_mn, mode=[0])
-        totals = cute.make_rmem_tensor(num_rows, cutlass.Float32)
-        for r in cutlass.range_constexpr(num_rows):
-            totals[r] = quad_allreduce(row_sum[r], operator.add)
-        # Each consumer summed the P of its own keys.
-        self._exchange(totals, operator.add, tScS, sRow, wg, tid)
-        for r in cutlass.range_constexpr(num_rows):
-            total = totals[r]
-            row = row_tile * ROWS + tScS[r, 0][0]
-            seen = total != 0.0 and row // heads < split.q_len
-            inv = unit[r] * cute.arch.rcp_approx(total)
-            lse = -cutlass.Float32.inf
-            if seen:
-                lse = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
-            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                acc_O_mn[r, c] = acc_O_mn[r, c] * inv if seen else cutlass.Float32(0.0)
-            if wg == 0 and tid % 4 == 0 and row < rows:
-                mLSE[out_idx, row] = lse
-        rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
-        rO.store(acc_O.load().to(self.dtype))
-        # Both consumers must be done with their last P V product (the V
-        # tiles) before O overwrites that memory.
-        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=CONSUMERS * WG_THREADS)
-        cute.autovec_copy(rO, tOsO)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=BAR_OWN + wg, number_of_threads=WG_THREADS)
-        if tid < 32:
-            gO = cute.local_tile(mO[None, None, out_idx], (ROWS, V_COLS), (row_tile, wg))
-            tOsO_tma, tOgO = cpasync.tma_partition(
-                tma_o, 0, cute.make_layout(1), cute.group_modes(sO_wg, 0, 2),
-                cute.group_modes(gO, 0, 2))
-            cute.copy(tma_o, tOsO_tma, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 class SmemTiles:
