@@ -1,41 +1,35 @@
 """FlashAttention forward kernel for Hopper (sm_90a) written in the CuTe DSL.
 
-One CTA computes one (query tile, query head, batch) triple with a producer
-warpgroup and one to three consumer warpgroups (tile_config.py), 64 query
-rows each. Warpgroup 0 is the producer: after giving most of its registers away
-(setmaxnreg) one of its warps streams Q once (each consumer's rows on a
-barrier of their own) and then K/V tiles with TMA into multi-stage shared
-buffers guarded by mbarrier pipelines. Each consumer
-computes S = Q K^T and O += P V for its rows with asynchronous WGMMA and
-keeps P in registers as the A operand of the PV GEMM (at some head dims Q
-too, for the S GEMM: tile_config.Q_IN_REGISTERS). Within a consumer the
-softmax of tile j runs while the tensor cores work on P(j-1) V(j-1)
-(intra-warpgroup overlap), and O is rescaled for tile j while S(j+1) is
-computed; optionally a ring of named barriers makes the consumers take turns
-issuing GEMMs so that one warpgroup's softmax hides under the others' MMAs
-(pingpong).
+One CTA computes one (query tile, query head, batch) triple with a producer warpgroup and
+one to three consumer warpgroups (tile_config.py), 64 query rows each. Warpgroup 0 is the
+producer: after giving most of its registers away (setmaxnreg) one of its warps streams Q
+once (each consumer's rows on a barrier of their own) and then K/V tiles with TMA into
+multi-stage shared buffers guarded by mbarrier pipelines. Each consumer computes S = Q K^T
+and O += P V for its rows with asynchronous WGMMA and keeps P in registers as the A operand
+of the PV GEMM (at some head dims Q too, for the S GEMM: tile_config.Q_IN_REGISTERS). Within
+a consumer the softmax of tile j runs while the tensor cores work on P(j-1) V(j-1)
+(intra-warpgroup overlap), and O is rescaled for tile j while S(j+1) is computed; optionally
+a ring of named barriers makes the consumers take turns issuing GEMMs so that one
+warpgroup's softmax hides under the others' MMAs (pingpong).
 
-KV tiles are walked from the last visible one down to the first; tiles the
-mask excludes are never loaded, and only tiles that straddle a mask edge pay
-for the per-element mask. Under a causal-like mask query tiles are launched
-longest first within sections of heads (launch_order.py), which shortens
-the tail of the grid. Without a window, neighbouring query
-tiles may pair up in a cluster whose CTAs each load half of every K / V tile
-into both (kv_multicast).
+KV tiles are walked from the last visible one down to the first; tiles the mask excludes are
+never loaded, and only tiles that straddle a mask edge pay for the per-element mask. Under a
+causal-like mask query tiles are launched longest first within sections of heads
+(launch_order.py), which shortens the tail of the grid. Without a window, neighbouring query
+tiles may pair up in a cluster whose CTAs each load half of every K / V tile into both
+(kv_multicast).
 
-Mask (kernel_api.h): row i sees column j iff i < q_len, j < kv_len,
-j >= i + diag_offset - window_left (window_left >= 0) and
-j <= i + diag_offset + window_right (window_right >= 0).
+Mask (kernel_api.h): row i sees column j iff i < q_len, j < kv_len, j >= i + diag_offset -
+window_left (window_left >= 0) and j <= i + diag_offset + window_right (window_right >= 0).
 
-NaN and Inf (docs/numerics.md): a partial tile's V is checked before the
-PV GEMM can multiply a masked zero with a NaN (value_check.py); a row saw
-a key iff its sum is not zero (output_tile.py).
+NaN and Inf (docs/numerics.md): a partial tile's V is checked before the PV GEMM can
+multiply a masked zero with a NaN (value_check.py); a row saw a key iff its sum is not zero
+(output_tile.py).
 
-The packed-document variant (has_segments) also requires equal segment ids.
-It narrows the CTA's KV range to the union of its rows' kv_bounds (which
-only say where visible keys can be, not that every key inside is visible).
-A KV tile whose keys all carry one id (a warp vote) only masks the rows of
-other documents; ids are compared per score on the other tiles.
+The packed-document variant (has_segments) also requires equal segment ids. It narrows the
+CTA's KV range to the union of its rows' kv_bounds (which only say where visible keys can
+be, not that every key inside is visible). A KV tile whose keys all carry one id (a warp
+vote) only masks the rows of other documents; ids are compared per score on the other tiles.
 """
 
 from typing import Optional, Type
@@ -113,20 +107,20 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant):
         self.kv_stages = kv_stages or default_stages
         self.conditional_rescale = conditional_rescale
         self.has_segments = has_segments
-        # The packed-document variants keep two consumers: at three their
-        # 160 registers spill (348 bytes at hd64).
+        # The packed-document variants keep two consumers: at three their 160 registers
+        # spill (348 bytes at hd64).
         self.consumers = consumers or (2 if has_segments else default_consumers)
         self.pingpong = pingpong and self.consumers > 1
         if self.consumers > 1 and not self.pingpong:
             # The V checks (value_check.py) rely on the consumers' turns.
             raise ValueError("FlashFwdSm90: several consumer warpgroups need pingpong=True")
-        # More than one CTA per SM splits the registers and shared memory,
-        # and lets one CTA's prologue and epilogue overlap another's GEMMs.
+        # More than one CTA per SM splits the registers and shared memory, and lets one
+        # CTA's prologue and epilogue overlap another's GEMMs.
         self.ctas_per_sm = ctas_per_sm
-        # Two CTAs of neighbouring query tiles form a cluster and each loads
-        # half of every K / V tile into both (TMA multicast), which halves
-        # the K / V traffic out of L2. Both must walk the same KV tiles, so
-        # the launcher runs this variant only without a window or segments.
+        # Two CTAs of neighbouring query tiles form a cluster and each loads half of every
+        # K / V tile into both (TMA multicast), which halves the K / V traffic out of L2.
+        # Both must walk the same KV tiles, so the launcher runs this variant only without
+        # a window or segments.
         if kv_multicast and has_segments:
             raise ValueError("FlashFwdSm90: kv_multicast needs has_segments=False")
         self.cluster_size = 2 if kv_multicast else 1
@@ -135,10 +129,9 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant):
             raise ValueError("FlashFwdSm90: paged_kv needs no multicast, no segments and "
                              f"tile_n a multiple of {PAGE_BOX}")
         self.paged_kv = paged_kv
-        # Q as the register (A) operand of the S GEMM, loaded once per CTA:
-        # the GEMM then reads only K from shared memory (Q_IN_REGISTERS).
-        # Not with segments: their ids take the registers (hd128: 152 bytes
-        # spilled).
+        # Q as the register (A) operand of the S GEMM, loaded once per CTA: the GEMM then
+        # reads only K from shared memory (Q_IN_REGISTERS). Not with segments: their ids
+        # take the registers (hd128: 152 bytes spilled).
         if q_in_registers is None:
             q_in_registers = ((head_dim, head_dim_v) in Q_IN_REGISTERS and not has_segments
                               and not self.fp8)
@@ -397,11 +390,10 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant):
             paged = PagedProblem(batch, mQLens, mKVLens, mPageTable, split_pages, mK.shape[0],
                                  seqlen_q, diag_offset)
             seqlen_k, diag_offset = paged.split_keys, paged.diag_offset
-        # The grid's rows beyond seqlen_q (a partial tile, a cluster's
-        # rounding) go before row 0, in whole 64-row warpgroup tiles: there
-        # every mask leaves the fewest keys, whereas past the end a causal
-        # mask would leave the most (hd64's 192-row tiles at seq 4096 would
-        # spend 6% of the causal work on 128 rows that do not exist).
+        # The grid's rows beyond seqlen_q (a partial tile, a cluster's rounding) go before
+        # row 0, in whole 64-row warpgroup tiles: there every mask leaves the fewest keys,
+        # whereas past the end a causal mask would leave the most (hd64's 192-row tiles at
+        # seq 4096 would spend 6% of the causal work on 128 rows that do not exist).
         # Warpgroup tiles before row 0 load a clamped Q tile and store nothing.
         lead_tiles = m_blocks * self.consumers - cute.ceil_div(seqlen_q, WG_ROWS)
         wg_tile0 = m_block * self.consumers - lead_tiles
@@ -604,11 +596,10 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant):
         pipe_q.consumer_wait(q_state)
         if cutlass.const_expr(self.q_in_registers):
             cute.autovec_copy(tSsQ, tSrQ)
-        # The CTA's first KV tiles may lie right of what this warpgroup's rows
-        # see (the causal diagonal of a tile taller than its KV tiles), or its
-        # rows may lie outside the sequence: it passes those on without GEMMs.
-        # It waits for each stage before releasing it, so that it never runs a
-        # phase ahead of the other consumers.
+        # The CTA's first KV tiles may lie right of what this warpgroup's rows see (the
+        # causal diagonal of a tile taller than its KV tiles), or its rows may lie outside
+        # the sequence: it passes those on without GEMMs. It waits for each stage before
+        # releasing it, so that it never runs a phase ahead of the other consumers.
         skipped = unseen_leading_tiles(row_start, WG_ROWS, tile_n, q_len, kv_len, diag_offset,
                                        window_right, n_block_max, num_n_blocks)
         for _ in cutlass.range(skipped, unroll=1):
@@ -678,11 +669,10 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant):
                           mKVSeg, batch)
                 online_softmax(acc_S_mn, row_max, row_sum, factor, scale_log2, self.conditional_rescale,
                                self.reduction_partials)
-                # ptxas schedules the wait for the PV GEMM as early as its
-                # dependencies allow, i.e. above the softmax, which then no
-                # longer overlaps that GEMM. A memory operation that depends on
-                # the softmax anchors it: K is released under a predicate on
-                # the row sums (never false: they are >= 0, or NaN).
+                # ptxas schedules the wait for the PV GEMM as early as its dependencies
+                # allow, i.e. above the softmax, which then no longer overlaps that GEMM.
+                # A memory operation that depends on the softmax anchors it: K is released
+                # under a predicate on the row sums (never false: they are >= 0, or NaN).
                 if row_sum[0] + row_sum[num_rows - 1] != -1.0:
                     pipe_k.consumer_release(kv_state)
                 warpgroup.wait_group(0)
