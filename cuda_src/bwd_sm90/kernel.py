@@ -507,6 +507,9 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers, DqHandOff):
         if cutlass.const_expr(self.staggered):
             self._announce_virtual_tile(wg, n_iters)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        # Each query tile is found an iteration ahead: its divisions, at the
+        # top of the loop, held back the first GEMMs (docs/history.md).
+        head, m_block = query_tile_of(Int32(0), kv_head, group, m_block_min, m_blocks, self.deterministic, rotation)
         # Statistics of the query rows (see transposed_scores): the columns of
         # this thread repeat in every quad of its warp, so each lane takes the
         # pair its quad index selects and the others come by shuffles. With
@@ -523,12 +526,8 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers, DqHandOff):
             lse_q = cute.make_rmem_tensor(2, Float32)
             delta_q = cute.make_rmem_tensor(2, Float32)
             if n_iters > 0:
-                head0, m_block0 = query_tile_of(
-                    Int32(0), kv_head, group, m_block_min, m_blocks, self.deterministic, rotation
-                )
-                load_query_stats(lse_q, delta_q, mLSE, mDelta, batch, head0, m_block0 * M + wg_row0, lane, seqlen_q)
+                load_query_stats(lse_q, delta_q, mLSE, mDelta, batch, head, m_block * M + wg_row0, lane, seqlen_q)
         for it in cutlass.range(n_iters, unroll=1):
-            _, m_block = query_tile_of(it, kv_head, group, m_block_min, m_blocks, self.deterministic, rotation)
             m0 = m_block * M
             s = state.index
 
@@ -671,16 +670,13 @@ class FlashBwdSm90(ProducerWarps, StaggeredConsumers, DqHandOff):
                 self._release_ds_buffer(dq_tile, dq_buffer, wg, n_iters)
             acc_dQ.store(acc_dQ.load() * scale)
             self._hand_dq_to_writer(acc_dQ, it, s, wg, dq_warp, lane, sdQ, r2s_dq, thr_r2s_dq, tdQsdQ)
+            head, m_block = query_tile_of(
+                cutlass.min(it + 1, n_iters - 1), kv_head, group, m_block_min, m_blocks, self.deterministic, rotation
+            )
             if cutlass.const_expr(not self.stats_warp):
                 # After the dQ hand-off, whose shared-memory fence would wait
                 # for these loads too.
-                next_head, next_m_block = query_tile_of(
-                    cutlass.min(it + 1, n_iters - 1), kv_head, group, m_block_min, m_blocks, self.deterministic,
-                    rotation,
-                )
-                load_query_stats(
-                    lse_q, delta_q, mLSE, mDelta, batch, next_head, next_m_block * M + wg_row0, lane, seqlen_q
-                )
+                load_query_stats(lse_q, delta_q, mLSE, mDelta, batch, head, m_block * M + wg_row0, lane, seqlen_q)
             warpgroup.wait_group(0)
             if cutlass.const_expr(not self.dq_in_stage):
                 pipe.consumer_release(state)
