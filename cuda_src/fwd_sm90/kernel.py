@@ -53,8 +53,7 @@ from .kv_producer import WG_ROWS, KVProducer
 from .online_softmax import online_softmax, rescale_rows
 from .output_tile import store_output_tile
 from .paged_kv import PAGE_BOX, PagedCall, PagedProblem, produce_paged, slab_layouts
-from .paged_fp8 import CONVERT_WARPS, Fp8Cache, produce_paged_fp8
-from .paged_fp8 import PRODUCER_REGS as CONVERTER_REGS
+from .paged_fp8 import CONVERT_WARPS, PRODUCER_REGS as CONVERTER_REGS, Fp8Cache
 from .score_mask import mask_tile, unseen_leading_tiles
 from .segment_ids import warp_bounds_union
 from .fp8_operands import FP8, p_fragments
@@ -155,7 +154,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
         smem = (self.tile_m * head_dim + self.kv_stages * kv_stage) * elem + 1024
         if self.fp8:  # O in its own buffer: Q's holds half its bytes
             smem += self.tile_m * head_dim_v * self.out_dtype.width // 8
-        smem += self.fp8_stages * self._fp8_stage_bytes()
+        smem += self._fp8_smem_bytes() if fp8_cache else 0
         budget = SMEM_PER_SM // ctas_per_sm - 1024
         if smem > budget:
             raise ValueError(
@@ -280,10 +279,9 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
         sK_box, sV_box, box_n = sK_stage, sV_stage, tile_n
         if cutlass.const_expr(self.paged_kv):
             (sK_box, sV_box), box_n = slab_layouts(sK_stage, sV_stage, hd, hd_v), PAGE_BOX
-        scale_atoms = (None, None, None, None)
+        scale_atoms = (None,) * 4
         if cutlass.const_expr(self.fp8_cache):
-            (tma_k, mK_tma), (tma_v, mV_tma), *scale_atoms = self._fp8_cache_atoms(mK, mV, scales)
-            scale_atoms = (*scale_atoms[0], *scale_atoms[1])
+            tma_k, mK_tma, tma_v, mV_tma, *scale_atoms = self._fp8_cache_atoms(mK, mV, scales)
         else:
             tma_k, mK_tma = cpasync.make_tiled_tma_atom(
                 g2s_kv, mKt, sK_box, (box_n, hd), num_multicast=self.cluster_size
@@ -465,14 +463,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
             producer_group=kv_producers, consumer_group=kv_consumer_group,
             tx_count=self.v_bytes, cta_layout_vmnk=cluster_layout, defer_sync=True,
         )
-        pipe8 = None
-        if cutlass.const_expr(self.fp8_cache):
-            pipe8 = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_8.data_ptr(), num_stages=self.fp8_stages,
-                producer_group=producer_group,
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONVERT_WARPS),
-                tx_count=self._fp8_stage_bytes(), defer_sync=True,
-            )
+        pipe8 = self._fp8_pipeline(storage, producer_group) if cutlass.const_expr(self.fp8_cache) else None
         cute.arch.mbarrier_init_fence()
         if cutlass.const_expr(self.cluster_size > 1):
             # The peer arrives on and writes into this CTA's barriers and
@@ -485,14 +476,9 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if cutlass.const_expr(self.fp8_cache):
-                produce_paged_fp8(
-                    tma_q, mQ, sQ, pipe_q, ((tma_k, mK), (tma_v, mV), (tma_ks, mKS), (tma_vs, mVS)),
-                    self._fp8_staging(storage), sK_layout.outer, sV_layout.outer,
-                    (storage.sK.data_ptr().toint(), storage.sV.data_ptr().toint()), pipe_k, pipe_v,
-                    pipe8, mPageTable, paged, head_q, head_kv, wg_tile0, n_block_max, num_n_blocks, tidx,
-                    self.consumers, self.kv_stages, self.fp8_stages, tile_n, WG_ROWS,
-                    self.dtype is cutlass.BFloat16,
-                )
+                self._produce_fp8_cache(tma_q, mQ, sQ, pipe_q, (tma_k, mK, tma_v, mV, tma_ks, mKS, tma_vs, mVS),
+                                        storage, sK_layout, sV_layout, pipe_k, pipe_v, pipe8, mPageTable, paged,
+                                        head_q, head_kv, wg_tile0, n_block_max, num_n_blocks, tidx)
             elif warp_idx == 0:
                 if cutlass.const_expr(self.paged_kv):
                     produce_paged(

@@ -28,12 +28,14 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .kv_producer import WG_ROWS
 from .paged_kv import PAGE_BOX, page_of_box
 
 FP8 = cutlass.Float8E4M3FN
 CONVERT_WARPS = 4  # the producer warpgroup
 CONVERT_THREADS = 32 * CONVERT_WARPS
 VECTOR = 8  # values per conversion step: 8 bytes of codes, 16 of output
+SCALE_BOX = 32  # floats between the FP8 stages' boxes of PAGE_BOX scales (128 bytes)
 # The producer warpgroup's setmaxnreg share (the consumers give the rest
 # up, kernel.consumer_registers): two steps of eight values in flight.
 PRODUCER_REGS = 56
@@ -41,10 +43,13 @@ PRODUCER_REGS = 56
 
 def staging_layouts(tile_n: int, head_dim: int, head_dim_v: int, stages: int):
     """Plain row-major FP8 stages (key, column, stage) for K and V codes, and
-    (key, stage) float32 scales: what TMA writes, read once by the
-    conversion (a warp's 8-byte reads cover 256 contiguous bytes)."""
+    float32 scales (key in its box, box, stage): what TMA writes, read once
+    by the conversion (a warp's 8-byte reads cover 256 contiguous bytes).
+    A TMA box lands on a 128-byte boundary: a box of PAGE_BOX scales (64
+    bytes) takes 128."""
     codes = lambda dim: cute.make_layout((tile_n, dim, stages), stride=(dim, 1, tile_n * dim))
-    scales = cute.make_layout((tile_n, stages), stride=(1, tile_n))
+    boxes = tile_n // PAGE_BOX
+    scales = cute.make_layout((PAGE_BOX, boxes, stages), stride=(1, SCALE_BOX, boxes * SCALE_BOX))
     return codes(head_dim), codes(head_dim_v), scales
 
 
@@ -120,7 +125,7 @@ def dequantize_tile(codes_base, scales, stage8, out_base, out_layout, stage, tid
         key = step // (dim // VECTOR)
         column = step % (dim // VECTOR) * VECTOR
         low, high = ld_shared_v2(codes_base + key * dim + column)
-        scale = scales[key, stage8]
+        scale = scales[key % PAGE_BOX, key // PAGE_BOX, stage8]
         out = dequantize4(low, scale, bf16) + dequantize4(high, scale, bf16)
         coord = (column, key, stage) if values_first else (key, column, stage)
         st_shared_v4(out_base + swizzled(cute.crd2idx(coord, out_layout) * 2), out)
@@ -153,8 +158,8 @@ def produce_paged_fp8(
         tma, 0, cute.make_layout(1), cute.group_modes(s, 0, modes), cute.group_modes(g, 0, modes))
     tKsK, tKgK = part(tma_k, cute.flat_divide(sK8, (PAGE_BOX, head_dim)), gK, 2)
     tVsV, tVgV = part(tma_v, cute.flat_divide(sV8, (PAGE_BOX, head_dim_v)), gV, 2)
-    tSsK, tSgK = part(tma_ks, cute.flat_divide(sKS, (PAGE_BOX,)), gKS, 1)
-    tSsV, tSgV = part(tma_vs, cute.flat_divide(sVS, (PAGE_BOX,)), gVS, 1)
+    tSsK, tSgK = part(tma_ks, sKS, gKS, 1)
+    tSsV, tSgV = part(tma_vs, sVS, gVS, 1)
     loads = (pipe8, mPageTable, lookup, n_block_max, tile_n, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV,
              tma_ks, tSgK, tSsK, tma_vs, tSgV, tSsV)
 
@@ -239,8 +244,8 @@ class Fp8Cache:
                      split_pages, scales=(mKScale, mVScale))
 
     def _fp8_cache_atoms(self, mK, mV, scales):
-        """TMA atoms and tensors of the codes (PAGE_BOX-key boxes of one
-        head) and of the scales (PAGE_BOX tokens)."""
+        """TMA atoms and tensors, flat, of the codes (PAGE_BOX-key boxes of
+        one head) and of the scales (PAGE_BOX tokens)."""
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         k_codes, v_codes, _ = staging_layouts(PAGE_BOX, self.head_dim, self.head_dim_v, 1)
         atoms = []
@@ -251,7 +256,34 @@ class Fp8Cache:
         for per_token in scales:
             view = cute.make_tensor(per_token.iterator, cute.select(per_token.layout, mode=[2, 1, 0]))
             atoms.append(cpasync.make_tiled_tma_atom(g2s, view, cute.make_layout(PAGE_BOX), (PAGE_BOX,)))
-        return atoms
+        return [part for atom in atoms for part in atom]
+
+    def _fp8_pipeline(self, storage, producer_group):
+        """The FP8 stages' pipeline: warp 0's TMA fills them, the four
+        producer warps (one arrive each) empty them."""
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_8.data_ptr(), num_stages=self.fp8_stages,
+            producer_group=producer_group,
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONVERT_WARPS),
+            tx_count=self._fp8_stage_bytes(), defer_sync=True,
+        )
+
+    @cute.jit
+    def _produce_fp8_cache(self, tma_q, mQ, sQ, pipe_q, cache, storage, sK_layout, sV_layout, pipe_k, pipe_v,
+                           pipe8, mPageTable, paged, head_q, head_kv, wg_tile0, n_block_max, num_n_blocks,
+                           tidx):
+        """The producer warpgroup's work (produce_paged_fp8) with this
+        kernel's tiles; cache: the flat TMA atoms and tensors of
+        _fp8_cache_atoms."""
+        tma_k, mK, tma_v, mV, tma_ks, mKS, tma_vs, mVS = cache
+        produce_paged_fp8(
+            tma_q, mQ, sQ, pipe_q, ((tma_k, mK), (tma_v, mV), (tma_ks, mKS), (tma_vs, mVS)),
+            self._fp8_staging(storage), sK_layout.outer, sV_layout.outer,
+            (storage.sK.data_ptr().toint(), storage.sV.data_ptr().toint()), pipe_k, pipe_v,
+            pipe8, mPageTable, paged, head_q, head_kv, wg_tile0, n_block_max, num_n_blocks, tidx,
+            self.consumers, self.kv_stages, self.fp8_stages, self.tile_n, WG_ROWS,
+            self.dtype is cutlass.BFloat16,
+        )
 
     def _fp8_cache_fields(self):
         """The FP8 stages' shared memory and barriers (storage fields)."""
@@ -267,7 +299,13 @@ class Fp8Cache:
         }
 
     def _fp8_stage_bytes(self):
+        """What TMA writes into one FP8 stage (its tx count)."""
         return self.tile_n * (self.head_dim + self.head_dim_v + 2 * 4)
+
+    def _fp8_smem_bytes(self):
+        """The FP8 stages' shared memory, the scales' padding included."""
+        return self.fp8_stages * (self.tile_n * (self.head_dim + self.head_dim_v)
+                                  + 2 * self.tile_n // PAGE_BOX * SCALE_BOX * 4)
 
     @cute.jit
     def _fp8_staging(self, storage):
