@@ -36,6 +36,7 @@ CONVERT_WARPS = 4  # the producer warpgroup
 CONVERT_THREADS = 32 * CONVERT_WARPS
 VECTOR = 8  # values per conversion step: 8 bytes of codes, 16 of output
 SCALE_BOX = 32  # floats between the FP8 stages' boxes of PAGE_BOX scales (128 bytes)
+LOADS_IN_FLIGHT = 4  # conversion steps loaded before any is converted (registers: PRODUCER_REGS)
 # The producer warpgroup's setmaxnreg share (the consumers give the rest
 # up, kernel.consumer_registers): two steps of eight values in flight.
 PRODUCER_REGS = 56
@@ -118,17 +119,22 @@ def dequantize_tile(codes_base, scales, stage8, out_base, out_layout, stage, tid
     """One K or V tile: codes (tile_n x dim bytes at codes_base, row-major)
     times their key's scale into the 16-bit stage `stage` of out_layout (the
     consumers' layout without its swizzle; (key, column, stage), or (column,
-    key, stage) where values_first: V's)."""
-    steps = tile_n * dim // VECTOR
-    for i in cutlass.range_constexpr(steps // CONVERT_THREADS):
-        step = tidx + i * CONVERT_THREADS
-        key = step // (dim // VECTOR)
-        column = step % (dim // VECTOR) * VECTOR
-        low, high = ld_shared_v2(codes_base + key * dim + column)
-        scale = scales[key % PAGE_BOX, key // PAGE_BOX, stage8]
-        out = dequantize4(low, scale, bf16) + dequantize4(high, scale, bf16)
-        coord = (column, key, stage) if values_first else (key, column, stage)
-        st_shared_v4(out_base + swizzled(cute.crd2idx(coord, out_layout) * 2), out)
+    key, stage) where values_first: V's). LOADS_IN_FLIGHT steps at a time:
+    their loads first, so that their latencies overlap (one step after
+    another, the conversion ran 2.3x slower than the bf16 cache's decode)."""
+    steps = tile_n * dim // VECTOR // CONVERT_THREADS
+    for first in cutlass.range_constexpr(0, steps, LOADS_IN_FLIGHT):
+        loaded = []
+        for i in cutlass.range_constexpr(first, min(first + LOADS_IN_FLIGHT, steps)):
+            step = tidx + i * CONVERT_THREADS
+            key = step // (dim // VECTOR)
+            column = step % (dim // VECTOR) * VECTOR
+            codes = ld_shared_v2(codes_base + key * dim + column)
+            loaded.append((key, column, codes, scales[key % PAGE_BOX, key // PAGE_BOX, stage8]))
+        for key, column, (low, high), scale in loaded:
+            out = dequantize4(low, scale, bf16) + dequantize4(high, scale, bf16)
+            coord = (column, key, stage) if values_first else (key, column, stage)
+            st_shared_v4(out_base + swizzled(cute.crd2idx(coord, out_layout) * 2), out)
 
 
 @cute.jit
