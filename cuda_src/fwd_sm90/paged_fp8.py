@@ -39,7 +39,7 @@ SCALE_BOX = 32  # floats between the FP8 stages' boxes of PAGE_BOX scales (128 b
 LOADS_IN_FLIGHT = 4  # conversion steps loaded before any is converted (registers: PRODUCER_REGS)
 # The producer warpgroup's setmaxnreg share (the consumers give the rest
 # up, kernel.consumer_registers): two steps of eight values in flight.
-PRODUCER_REGS = 56
+PRODUCER_REGS = 64
 
 
 def staging_layouts(tile_n: int, head_dim: int, head_dim_v: int, stages: int):
@@ -166,8 +166,9 @@ def produce_paged_fp8(
     tVsV, tVgV = part(tma_v, cute.flat_divide(sV8, (PAGE_BOX, head_dim_v)), gV, 2)
     tSsK, tSgK = part(tma_ks, sKS, gKS, 1)
     tSsV, tSgV = part(tma_vs, sVS, gVS, 1)
-    loads = (pipe8, mPageTable, lookup, n_block_max, tile_n, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV,
-             tma_ks, tSgK, tSsK, tma_vs, tSgV, tSsV)
+    loads = (pipe8, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV, tma_ks, tSgK, tSsK, tma_vs, tSgV, tSsV)
+    boxes_of = lambda i: [page_of_box(mPageTable, lookup, (n_block_max - 1 - i) * tile_n + j * PAGE_BOX)
+                          for j in range(tile_n // PAGE_BOX)]
 
     if warp == 0:
         gQ = cute.local_tile(mQ[None, None, head_q, sequence], (wg_rows, head_dim), (None, 0))
@@ -182,12 +183,15 @@ def produce_paged_fp8(
     issue_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, fp8_stages)
     if warp == 0:
         for i in cutlass.range(cutlass.min(num_n_blocks, fp8_stages), unroll=1):
-            _issue(i, issue_state, *loads)
+            _issue(issue_state, boxes_of(i), *loads)
             issue_state.advance()
     read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, fp8_stages)
     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, kv_stages)
     k_base, v_base = bases
     for i in cutlass.range(num_n_blocks, unroll=1):
+        # The pages of the tile warp 0 loads after this one's conversion:
+        # looked up now, so that the table's latency passes meanwhile.
+        ahead = boxes_of(cutlass.min(i + fp8_stages, num_n_blocks - 1))
         pipe8.consumer_wait(read_state)
         s8 = read_state.index
         for codes_base, scales, out_base, out_layout, pipe, values_first, dim in (
@@ -206,20 +210,16 @@ def produce_paged_fp8(
         kv_state.advance()
         if warp == 0:
             if i + fp8_stages < num_n_blocks:
-                _issue(i + fp8_stages, issue_state, *loads)
+                _issue(issue_state, ahead, *loads)
                 issue_state.advance()
 
 
-@cute.jit
-def _issue(i, state, pipe8, mPageTable, lookup, n_block_max, tile_n: cutlass.Constexpr, tma_k, tKgK, tKsK,
-           tma_v, tVgV, tVsV, tma_ks, tSgK, tSsK, tma_vs, tSgV, tSsV):
-    """Warp 0: tile i's codes and scales into FP8 stage state.index, box by
-    box from their pages."""
-    n_start = (n_block_max - 1 - i) * tile_n
+def _issue(state, boxes, pipe8, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV, tma_ks, tSgK, tSsK, tma_vs, tSgV, tSsV):
+    """Warp 0: a tile's codes and scales into FP8 stage state.index, box by
+    box from their pages ((page, box in page) each, page_of_box)."""
     pipe8.producer_acquire(state)
     bar = pipe8.producer_get_barrier(state)
-    for j in cutlass.range_constexpr(tile_n // PAGE_BOX):
-        page, box = page_of_box(mPageTable, lookup, n_start + j * PAGE_BOX)
+    for j, (page, box) in enumerate(boxes):
         cute.copy(tma_k, tKgK[None, box, 0, page], tKsK[None, j, 0, state.index], tma_bar_ptr=bar)
         cute.copy(tma_v, tVgV[None, box, 0, page], tVsV[None, j, 0, state.index], tma_bar_ptr=bar)
         cute.copy(tma_ks, tSgK[None, box, page], tSsK[None, j, state.index], tma_bar_ptr=bar)
