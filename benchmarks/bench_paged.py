@@ -7,6 +7,10 @@ kernel and XLA over gathered pages, in one process on one GPU.
 Decode rows (one new token per sequence, 32 query / 8 kv heads, hd128) read
 every cached K / V byte once: ``gbps`` is those bytes over the time, beside
 a copy ceiling (read + write of a large array) measured in the same run.
+``--kv-dtypes float8_e4m3fn`` adds jax_flash on an FP8 cache of the same
+values (``Fp8Pages``: codes and a scale per token and kv head); each decode
+row gives ``tokens_per_s``, cached tokens read per second, to compare the
+two caches by.
 Chunked-prefill rows put 2048 new tokens against a longer cache, causal from
 the bottom right, in TFLOPS beside jax_flash.attention on the same keys held
 contiguously. Each row names its page size; the implementations of one
@@ -46,6 +50,14 @@ def paged_inputs(batch, seq, new, page_size, seed=0):
   q = jax.random.normal(keys[2], (batch, new, HEADS, HEAD_DIM), jnp.bfloat16)
   lengths = jnp.full((batch,), seq, jnp.int32)
   return q, k_pages, v_pages, jnp.asarray(table), lengths
+
+
+def fp8_pools(k_pages, v_pages):
+  """The pools as an FP8 cache: codes and scales per token and kv head."""
+  def quantized(pool):
+    codes, scales = jax_flash._paged_fp8.quantize_tokens(pool)
+    return jax_flash.Fp8Pages(codes, jnp.swapaxes(scales, 1, 2))
+  return quantized(k_pages), quantized(v_pages)
 
 
 def contiguous(pages, table):
@@ -101,18 +113,23 @@ def row(impl, op, variant, batch, seq_q, seq_k, page_size, ms, gbps=None, tflops
           "tflops": tflops, "ms": round(ms, 4), "gbps": gbps, "page_size": page_size, **extra}
 
 
-def run_decode(shapes, pages, splits, ceiling):
+def run_decode(shapes, pages, splits, ceiling, kv_dtypes=("bfloat16",)):
   rows = []
-  print(f"{'B':>4} {'S':>7} {'page':>5}  {'impl':<20}{'ms':>9}{'GB/s':>8}{'ceiling':>8}", flush=True)
+  print(f"{'B':>4} {'S':>7} {'page':>5}  {'impl':<24}{'ms':>9}{'GB/s':>8}{'ceiling':>8}", flush=True)
   for batch, seq in shapes:
       if batch * seq > MAX_TOKENS:
         continue
-      kv_bytes = 2 * batch * seq * HEADS_KV * HEAD_DIM * 2
-      for page_size in pages:
+      for page_size, kv_dtype in ((p, d) for p in pages for d in kv_dtypes):
         args = paged_inputs(batch, seq, 1, page_size)
         dense_args = (args[0], contiguous(args[1], args[3]), contiguous(args[2], args[3]),
-                      args[3], args[4]) if page_size == 64 else None
-        for impl, variant, fn in decode_impls(page_size, splits):
+                      args[3], args[4]) if page_size == 64 and kv_dtype == "bfloat16" else None
+        impls = decode_impls(page_size, splits)
+        kv_bytes = 2 * batch * seq * HEADS_KV * HEAD_DIM * 2
+        if kv_dtype != "bfloat16":  # codes and a float32 scale per token and kv head
+          args = (args[0], *fp8_pools(args[1], args[2]), *args[3:])
+          impls = [("jax_flash", f"paged-split{split}", flash_paged(split)) for split in splits]
+          kv_bytes = 2 * batch * seq * HEADS_KV * (HEAD_DIM + 4)
+        for impl, variant, fn in impls:
           if impl == "xla" and batch * seq > MAX_TOKENS // 4:
             continue  # the gathered copy would not fit beside the pools
           try:
@@ -122,10 +139,12 @@ def run_decode(shapes, pages, splits, ceiling):
                   f"{benchmark.error_summary(e)}", flush=True)
             continue
           gbps = kv_bytes / ms / 1e6
-          print(f"{batch:>4} {seq:>7} {page_size:>5}  {impl + ':' + variant:<20}{ms:9.4f}"
-                f"{gbps:8.0f}{gbps / ceiling:8.2f}", flush=True)
+          name = impl + ":" + variant + ("" if kv_dtype == "bfloat16" else ":fp8")
+          print(f"{batch:>4} {seq:>7} {page_size:>5}  {name:<24}{ms:9.4f}"
+                f"{gbps:8.0f}{gbps / ceiling:8.2f}{batch * seq / ms / 1e6:8.2f} Gtok/s", flush=True)
           rows.append(row(impl, "paged_decode", variant, batch, 1, seq, page_size, ms,
-                          gbps=round(gbps, 1), ceiling_fraction=round(gbps / ceiling, 3)))
+                          gbps=round(gbps, 1), ceiling_fraction=round(gbps / ceiling, 3),
+                          kv_dtype=kv_dtype, tokens_per_s=round(batch * seq / ms * 1e3)))
         del args
   return rows
 
@@ -162,6 +181,9 @@ def main(argv=None) -> int:
   parser.add_argument("--split-sizes", type=int, nargs="+",
                       default=[jax_flash._paged.DEFAULT_KV_SPLIT_SIZE],
                       help="jax_flash kv_split_size values, a row each")
+  parser.add_argument("--kv-dtypes", nargs="+", default=["bfloat16"],
+                      choices=["bfloat16", "float8_e4m3fn"], help="the caches' types, rows each")
+  parser.add_argument("--no-prefill", action="store_true", help="decode rows only")
   parser.add_argument("--out", type=pathlib.Path, help="results file to write (one run)")
   args = parser.parse_args(argv)
   if jax.default_backend() != "gpu":
@@ -173,8 +195,9 @@ def main(argv=None) -> int:
         flush=True)
   shapes = ([tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes
             else [(b, s) for b in args.batches for s in args.seqs])
-  rows = (run_decode(shapes, args.pages, args.split_sizes, ceiling)
-          + run_prefill(64, args.split_sizes))
+  rows = run_decode(shapes, args.pages, args.split_sizes, ceiling, args.kv_dtypes)
+  if not args.no_prefill:
+    rows += run_prefill(64, args.split_sizes)
   if args.out:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or None

@@ -158,6 +158,18 @@ def gpu_compute_capability() -> tuple[int, int] | None:
 _JF_DTYPES = {"float16": 0, "bfloat16": 1}
 
 
+def register_cuda_handler(handler_name: str, target: str, has_kernel) -> bool:
+  """Registers the library's FFI handler ``handler_name`` as ``target`` where
+  the library holds it and ``has_kernel(library)``; whether it did. Every
+  CUDA build has every handler; the kernels behind one may be missing."""
+  library = _cuda_library
+  handler = getattr(library, handler_name, None) if library is not None else None
+  if handler is None or not has_kernel(library):
+    return False
+  jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="CUDA")
+  return True
+
+
 def _library_query(symbol: str, arity: int):
   """The library's C function ``symbol`` taking ``arity`` int32, or None in
   a build without it (no Hopper kernels, or one from before the query)."""

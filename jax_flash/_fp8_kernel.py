@@ -30,16 +30,9 @@ def key_slot(c: int) -> int:
 
 
 
-def _register_cuda() -> bool:
-  library = ffi._cuda_library
-  handler = getattr(library, "JaxFlashFp8FwdCuda", None) if library is not None else None
-  if handler is None or getattr(library, "jax_flash_fwd_sm90_fp8_has_variant", None) is None:
-    return False
-  jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(handler), platform="CUDA")
-  return True
-
-
-_CUDA_REGISTERED = _register_cuda()
+_CUDA_REGISTERED = ffi.register_cuda_handler(
+    "JaxFlashFp8FwdCuda", _TARGET,
+    lambda library: getattr(library, "jax_flash_fwd_sm90_fp8_has_variant", None) is not None)
 
 
 def unavailable_reason(output_dtype, head_dim: int, head_dim_v: int, seq_k: int,

@@ -52,22 +52,12 @@ _SPLIT_KEYS_ONE_TILE = 1024
 _SPLIT_KEYS = 2048
 
 
-def _register_cuda(handler_name: str, target: str, has_kernel) -> bool:
-  """Registers the handler when the library holds it and its kernel."""
-  library = ffi._cuda_library
-  handler = getattr(library, handler_name, None) if library is not None else None
-  if handler is None or not has_kernel(library):
-    return False
-  jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="CUDA")
-  return True
-
-
 # Whether the Hopper kernel of each cache format (FP8 or not) is registered;
 # the FP8 one is in the library when export.py exported it (not under --only).
 _CUDA_REGISTERED = {
-    False: _register_cuda("JaxFlashMlaDecodeCuda", _CUDA_TARGETS[False],
+    False: ffi.register_cuda_handler("JaxFlashMlaDecodeCuda", _CUDA_TARGETS[False],
                           lambda library: getattr(library, "jax_flash_mla_sm90", None) is not None),
-    True: _register_cuda(
+    True: ffi.register_cuda_handler(
         "JaxFlashMlaFp8DecodeCuda", _CUDA_TARGETS[True],
         lambda library: getattr(library, "jax_flash_mla_sm90_fp8_available", None) is not None
         and library.jax_flash_mla_sm90_fp8_available() == 1)}

@@ -55,17 +55,9 @@ _MAX_PAGE_SIZE = 256
 DEFAULT_KV_SPLIT_SIZE = 4096
 
 
-def _register_cuda() -> bool:
-  library = ffi._cuda_library
-  handler = getattr(library, "JaxFlashPagedFwdCuda", None) if library is not None else None
-  # The handler exists in every CUDA build; the kernels it runs may not.
-  if handler is None or not any(getattr(library, name, None) for name in _GPU_KERNELS):
-    return False
-  jax.ffi.register_ffi_target(_PAGED_TARGET, jax.ffi.pycapsule(handler), platform="CUDA")
-  return True
-
-
-_CUDA_REGISTERED = _register_cuda()
+_CUDA_REGISTERED = ffi.register_cuda_handler(
+    "JaxFlashPagedFwdCuda", _PAGED_TARGET,
+    lambda library: any(getattr(library, name, None) for name in _GPU_KERNELS))
 for _name, _capsule in _cpu_ffi.paged_registrations().items():
   jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 
@@ -89,7 +81,9 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
       multiple of ``heads_kv``; ``page_size`` a multiple of 16 up to 256.
       Or an ``Fp8Pages`` (FP8 codes and a float32 scale per token and kv
       head; then ``v_pages`` too, q float32, bfloat16 or float16, the
-      output in q's dtype; docs/fp8.md).
+      output in q's dtype; docs/fp8.md). A Hopper GPU reads such a cache
+      in its kernel (float16 / bfloat16 q, head dims 64 and 128); other
+      calls dequantise the pages they read first.
     v_pages: ``[num_pages, page_size, heads_kv, head_dim_v]``.
     page_table: int32 ``[batch, max_pages]``: token ``i`` of sequence ``b``
       sits in page ``page_table[b, i // page_size]`` at row ``i %
@@ -134,13 +128,15 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
     ``out [batch, max_new_tokens, heads_q, head_dim_v]``, or ``(out, lse)``.
   """
   validation.check_implementation(implementation, (None, "flash", "xla"))
-  if isinstance(k_pages, paged_fp8.Fp8Pages) or isinstance(v_pages, paged_fp8.Fp8Pages):
+  fp8_cache = isinstance(k_pages, paged_fp8.Fp8Pages) or isinstance(v_pages, paged_fp8.Fp8Pages)
+  if fp8_cache and _fp8_kernel_unavailable_reason(q, k_pages, v_pages, implementation):
     return _paged_attention_fp8(
         q, k_pages, v_pages, page_table, cache_lengths, query_lengths=query_lengths,
         causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks,
         kv_split_size=kv_split_size, return_lse=return_lse, implementation=implementation)
-  shapes = _check_paged(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
-                        kv_split_size)
+  codes = (k_pages.values, v_pages.values) if fp8_cache else (k_pages, v_pages)
+  shapes = _check_paged(q, *codes, page_table, cache_lengths, query_lengths, kv_split_size,
+                        fp8_cache=fp8_cache)
   scale = validation.check_scale(scale, shapes["head_dim"])
   window = validation.check_window(window, "window")
   visible = Mask.of(causal=validation.check_flag(causal, "causal"), window=window)
@@ -157,6 +153,9 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
               window_right=visible.window_right)
   if implementation == "xla":
     attend = functools.partial(paged_attention_reference, **mask)
+  elif fp8_cache:  # the Hopper kernel serves it (above); the call is not partitioned
+    attend = functools.partial(_paged_kernel, split_keys=shapes["split_keys"], partitioned=False,
+                               **mask)
   else:
     reasons = {"cpu": _kernel_unavailable_reason("cpu", q, shapes),
                "cuda": (_kernel_unavailable_reason("gpu", q, shapes) if platform == "gpu" else
@@ -167,8 +166,11 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
       raise NotImplementedError(f"implementation='flash': {local}")
     attend = functools.partial(_per_platform, implementation=implementation, reasons=reasons,
                                split_keys=shapes["split_keys"], **mask)
-  out, lse = sharding.on_explicit_mesh(attend, q, (k_pages, v_pages), page_table, cache_lengths,
-                                       query_lengths)
+  if fp8_cache:
+    out, lse = attend(q, k_pages, v_pages, page_table, cache_lengths, query_lengths)
+  else:
+    out, lse = sharding.on_explicit_mesh(attend, q, (k_pages, v_pages), page_table,
+                                         cache_lengths, query_lengths)
   if sinks is not None:
     # A padding row sees no key, whatever its query left in the kernel's lse.
     padding = jnp.arange(max_new)[None, None, :] >= query_lengths[:, None, None]
@@ -246,6 +248,19 @@ def _token_slots(page_table, cache_lengths, query_lengths, batch, max_new, num_p
   return jnp.where(written, pages, num_pages), positions % page_size
 
 
+def _fp8_kernel_unavailable_reason(q, k_pages, v_pages, implementation) -> str | None:
+  """Why the Hopper kernel cannot read this FP8 cache itself, or None; the
+  pools' own checks first."""
+  for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
+    paged_fp8.check_pages(name, pages)
+  if implementation == "xla":
+    return "implementation='xla'"
+  if api._platform_of(q) != "gpu" or jnp.ndim(q) != 4:
+    return "not on a GPU"
+  return paged_fp8.kernel_unavailable_reason(jnp.result_type(q), jnp.shape(q)[-1],
+                                             jnp.shape(v_pages.values)[-1])
+
+
 def _paged_attention_fp8(q, k_pages, v_pages, page_table, cache_lengths, *, query_lengths,
                          implementation, **kwargs):
   """paged_attention on ``Fp8Pages``: each sequence's pages gathered and
@@ -260,8 +275,10 @@ def _paged_attention_fp8(q, k_pages, v_pages, page_table, cache_lengths, *, quer
   if dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
     raise ValueError(f"q must be float32, bfloat16 or float16 with an FP8 cache, got {dtype}")
   if implementation == "flash" and api._platform_of(q) == "gpu":
-    raise NotImplementedError("implementation='flash': the Hopper FP8 paged kernel is not built "
-                              "yet; implementation=None runs the XLA composition")
+    reason = paged_fp8.kernel_unavailable_reason(dtype, jnp.shape(q)[-1],
+                                                 jnp.shape(v_pages.values)[-1])
+    raise NotImplementedError(f"implementation='flash': {reason}; implementation=None runs the "
+                              "XLA composition")
   num_pages, page_size = jnp.shape(k_pages.values)[:2]
   if page_size % _PAGE_ALIGN or not _PAGE_ALIGN <= page_size <= _MAX_PAGE_SIZE:
     raise ValueError(f"page_size must be a multiple of {_PAGE_ALIGN} from {_PAGE_ALIGN} to "
@@ -363,9 +380,14 @@ def _halving_sum(x):
 
 def _paged_kernel(q, k_pages, v_pages, page_table, cache_lengths, query_lengths, *, scale,
                   softcap, window_left, window_right, split_keys, partitioned=True):
-  """The GPU kernel (Hopper's or the sm80 family's: the CUDA handler picks);
-  ``partitioned=False`` where the caller is itself partitioned per shard
-  (kv_split.py, inside attention's kernel call)."""
+  """The GPU kernel (Hopper's or the sm80 family's: the CUDA handler picks;
+  Hopper's FP8-cache kernel for ``Fp8Pages``); ``partitioned=False`` where
+  the caller is itself partitioned per shard (kv_split.py, inside
+  attention's kernel call)."""
+  target, scales = _PAGED_TARGET, ()
+  if isinstance(k_pages, paged_fp8.Fp8Pages):
+    target, scales = paged_fp8.KERNEL_TARGET, (k_pages.scales, v_pages.scales)
+    k_pages, v_pages = k_pages.values, v_pages.values
   batch, max_new, heads_q, _ = q.shape
   page_size, heads_kv = k_pages.shape[1], k_pages.shape[2]
   split_pages = split_keys // page_size
@@ -380,8 +402,9 @@ def _paged_kernel(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
     rows = q.reshape(batch, heads_kv, group, q.shape[-1]).transpose(0, 2, 1, 3)
     q_lens = query_lengths * group
     window_right = -1
-  kernel = functools.partial(_ffi_call, _PAGED_TARGET, split_pages=split_pages, scale=scale,
-                             softcap=softcap, window_left=window_left, window_right=window_right)
+  kernel = functools.partial(_ffi_call, target, split_pages=split_pages, scale=scale,
+                             softcap=softcap, window_left=window_left, window_right=window_right,
+                             scales=scales)
   if partitioned:
     kernel = sharding.paged_partitioned(kernel, splits)
   out, lse = kernel(rows, k_pages, v_pages, table, q_lens, cache_lengths)
@@ -397,9 +420,10 @@ def _paged_kernel(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
 
 
 def _ffi_call(target, rows, k_pages, v_pages, table, q_lens, kv_lens, *, split_pages, scale,
-              softcap, window_left, window_right):
+              softcap, window_left, window_right, scales=()):
   """One paged kernel call on (the local shards of) its operands: out
-  ``[batch * splits, T, H, Dv]`` and lse ``[batch * splits, H, T]``."""
+  ``[batch * splits, T, H, Dv]`` and lse ``[batch * splits, H, T]``;
+  ``scales``: an FP8 cache's (k, v)."""
   batch, seq_rows, heads, _ = rows.shape
   splits = table.shape[1] // split_pages
   out_types = (
@@ -407,7 +431,7 @@ def _ffi_call(target, rows, k_pages, v_pages, table, q_lens, kv_lens, *, split_p
       jax.ShapeDtypeStruct((batch * splits, heads, seq_rows), jnp.float32),
   )
   return jax.ffi.ffi_call(target, out_types)(
-      rows, k_pages, v_pages, table, q_lens, kv_lens, scale=np.float32(scale),
+      rows, k_pages, v_pages, *scales, table, q_lens, kv_lens, scale=np.float32(scale),
       softcap=np.float32(softcap), window_left=np.int32(window_left),
       window_right=np.int32(window_right), split_pages=np.int32(split_pages))
 
@@ -494,7 +518,7 @@ def _kernel_unavailable_reason(platform, q, shapes) -> str | None:
 
 
 def _check_paged(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
-                 kv_split_size) -> dict:
+                 kv_split_size, fp8_cache=False) -> dict:
   if jnp.ndim(q) != 4:
     raise ValueError("q must have rank 4 [batch, max_new_tokens, heads_q, head_dim], got shape "
                      f"{jnp.shape(q)}")
@@ -512,7 +536,7 @@ def _check_paged(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
   if head_dim == 0 or heads_kv == 0 or heads_q % heads_kv:
     raise ValueError(f"heads_q must be a positive multiple of heads_kv and head_dim positive, got "
                      f"heads_q={heads_q}, heads_kv={heads_kv}, head_dim={head_dim}")
-  dtypes = {jnp.result_type(x) for x in (q, k_pages, v_pages)}
+  dtypes = {jnp.result_type(x) for x in ((q,) if fp8_cache else (q, k_pages, v_pages))}
   if len(dtypes) != 1:
     raise ValueError(f"q, k_pages and v_pages must share one dtype, got {sorted(map(str, dtypes))}")
   if page_size % _PAGE_ALIGN or not _PAGE_ALIGN <= page_size <= _MAX_PAGE_SIZE:

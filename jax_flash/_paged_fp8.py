@@ -2,17 +2,51 @@
 one float32 scale per token and kv head.
 
 ``paged_attention`` and ``write_paged_cache`` take an ``Fp8Pages`` in place
-of each pool. Today the FP8 path gathers each sequence's pages, dequantises
-them to float32 and runs the float32 paged call (the CPU kernel on a CPU,
-the XLA composition elsewhere); the Hopper kernel will read the codes and
-scales of the pages themselves.
+of each pool. On a Hopper GPU with float16 / bfloat16 queries the paged
+kernel reads the codes and scales of the pages itself
+(cuda_src/fwd_sm90/paged_fp8.py); elsewhere each sequence's pages are
+gathered, dequantised to float32 and run through the float32 paged call
+(the CPU kernel on a CPU, the XLA composition elsewhere).
 """
 
+import ctypes
 from typing import NamedTuple
 
 import jax.numpy as jnp
 
+from jax_flash import _ffi as ffi
 from jax_flash import _fp8 as fp8
+from jax_flash import _gpu_support
+
+KERNEL_TARGET = "jax_flash_gpu_paged_fp8_fwd_v1"
+_JF_DTYPES = {jnp.dtype(jnp.float16): 0, jnp.dtype(jnp.bfloat16): 1}  # kernel_api.h: JfDtype
+
+
+_CUDA_REGISTERED = ffi.register_cuda_handler(
+    "JaxFlashPagedFp8FwdCuda", KERNEL_TARGET,
+    lambda library: getattr(library, "jax_flash_fwd_sm90_paged_fp8_has_variant", None) is not None)
+
+
+def kernel_unavailable_reason(q_dtype, head_dim: int, head_dim_v: int) -> str | None:
+  """Why the Hopper FP8-cache kernel cannot serve a call here, or None."""
+  if not _CUDA_REGISTERED:
+    return "this installation holds no Hopper kernel for the FP8 paged cache"
+  reason = _gpu_support.gpu_unavailable_reason()
+  if reason is not None:
+    return reason
+  capability = ffi.gpu_compute_capability()
+  if capability is None or capability[0] != 9:
+    return ("the FP8 paged kernel needs a Hopper GPU (compute capability 9.x), found "
+            f"{capability}")
+  dtype = jnp.dtype(q_dtype)
+  if dtype not in _JF_DTYPES:
+    return f"the FP8 paged kernel takes float16 or bfloat16 q, got {dtype.name}"
+  has_variant = ffi._cuda_library.jax_flash_fwd_sm90_paged_fp8_has_variant
+  has_variant.argtypes = (ctypes.c_int32,) * 3
+  if not has_variant(_JF_DTYPES[dtype], head_dim, head_dim_v):
+    return (f"no FP8 paged kernel for head_dim {head_dim}, head_dim_v {head_dim_v} (this "
+            "build: 64 and 128, head_dim_v == head_dim)")
+  return None
 
 
 class Fp8Pages(NamedTuple):

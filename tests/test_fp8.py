@@ -338,26 +338,38 @@ def fp8_batch(seed, cache_lengths, query_lengths, *, page_size, **kwargs):
 @pytest.mark.parametrize("implementation", ["flash", pytest.param("xla", marks=pytest.mark.slow)])
 def test_paged_fp8_matches_float64(implementation):
   if implementation == "flash" and jax.default_backend() != "cpu":
-    pytest.skip("the CPU kernel runs the FP8 cache on a CPU only")
+    pytest.skip("TestPagedFp8Gpu runs the GPU kernel")
+  check_paged_fp8_matches_float64(implementation, head_dim=64)
+
+
+def check_paged_fp8_matches_float64(implementation, head_dim):
+  """Decode steps (GQA heads packed), prefill chunks with a window, and
+  non-causal rows, against the float64 reference of the dequantised cache."""
   for (lengths, new), page_size, kwargs in (
       (([1, 17, 1000, 300], [1, 1, 1, 1]), 16, {}),
       (([17, 300, 5, 129], [3, 17, 5, 0]), 64, {"window": (33, 0)}),
       (([250, 33], [7, 33]), 48, {"causal": False})):
-    inputs, keys, values = fp8_batch(page_size, lengths, new, page_size=page_size)
+    inputs, keys, values = fp8_batch(page_size, lengths, new, page_size=page_size,
+                                     head_dim=head_dim)
     got = run_paged(inputs, implementation, **kwargs)
     assert_matches_float64(got, inputs, keys, values, jnp.bfloat16,
-                           f"{lengths} {new} page {page_size}", **kwargs)
+                           f"{lengths} {new} page {page_size} hd{head_dim}", **kwargs)
 
 
 @pytest.mark.parametrize("implementation", ["flash", pytest.param("xla", marks=pytest.mark.slow)])
 def test_paged_fp8_poisoned_pages_and_batch_invariance(implementation):
+  if implementation == "flash" and jax.default_backend() != "cpu":
+    pytest.skip("TestPagedFp8Gpu runs the GPU kernel")
+  check_paged_fp8_poison_and_invariance(implementation, head_dim=64)
+
+
+def check_paged_fp8_poison_and_invariance(implementation, head_dim):
   """Unused slots and pages hold NaN codes and NaN scales (e4m3fn has no
   Inf): the results are the bits of a run with zeros and unit scales
   there, and a sequence's rows are the same bits alone and in another
   slot of a larger batch with its pages elsewhere."""
-  if implementation == "flash" and jax.default_backend() != "cpu":
-    pytest.skip("the CPU kernel runs the FP8 cache on a CPU only")
-  inputs, _, _ = fp8_batch(9, [70, 400, 300, 1], [1, 2, 3, 1], page_size=16, spare_pages=20)
+  inputs, _, _ = fp8_batch(9, [70, 400, 300, 1], [1, 2, 3, 1], page_size=16, spare_pages=20,
+                           head_dim=head_dim)
   clean = dict(inputs)
   for name in ("k_pages", "v_pages"):
     pages = inputs[name]
@@ -368,7 +380,8 @@ def test_paged_fp8_poisoned_pages_and_batch_invariance(implementation):
   for g, w in zip(got, want):
     np.testing.assert_array_equal(g, w)
   assert np.isfinite(got[0]).all()
-  alone, _, _ = fp8_batch(8, [300], [3], page_size=16, max_pages=inputs["page_table"].shape[1])
+  alone, _, _ = fp8_batch(8, [300], [3], page_size=16, max_pages=inputs["page_table"].shape[1],
+                          head_dim=head_dim)
   mixed = place_fp8_sequence(inputs, 2, alone)
   got_alone, got_mixed = run_paged(alone, implementation), run_paged(mixed, implementation)
   np.testing.assert_array_equal(got_mixed[0][2], got_alone[0][0])
@@ -548,10 +561,28 @@ def test_kernel_call_lowers_for_a_hopper_gpu(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_paged_flash_raises():
-  inputs, _, _ = fp8_batch(7, [100, 7], [1, 2], page_size=16)
-  with pytest.raises(NotImplementedError, match="Hopper FP8 paged kernel is not built yet"):
-    jax_flash.paged_attention(**inputs, implementation="flash")
+class TestPagedFp8Gpu:
+  """The Hopper kernel on the FP8 paged cache (implementation="flash")."""
+  head_dims = (64, 128)  # conftest.py parametrises head_dim from it
+
+  def test_matches_float64(self, head_dim):
+    check_paged_fp8_matches_float64("flash", head_dim)
+
+  def test_poisoned_pages_and_batch_invariance(self, head_dim):
+    check_paged_fp8_poison_and_invariance("flash", head_dim)
+
+  def test_float16_queries_and_the_bfloat16_kernel_agree(self):
+    inputs, _, _ = fp8_batch(4, [500, 64], [1, 1], page_size=64, head_dim=128)
+    got = run_paged(inputs, "flash")
+    half = run_paged(dict(inputs, q=inputs["q"].astype(jnp.float16)), "flash")
+    for g, h in zip(got, half):
+      np.testing.assert_allclose(h, g, rtol=2e-2, atol=2e-2)
+
+  def test_unserved_head_dim_raises_with_flash(self):
+    inputs, _, _ = fp8_batch(7, [100, 7], [1, 2], page_size=16, head_dim=256)
+    with pytest.raises(NotImplementedError, match="no FP8 paged kernel for head_dim 256"):
+      jax_flash.paged_attention(**inputs, implementation="flash")
+    assert np.isfinite(np.asarray(jax_flash.paged_attention(**inputs), np.float32)).all()
 
 
 @pytest.mark.slow

@@ -5,7 +5,8 @@ The same properties as test_sharding.py checks on fake CPU devices, now with
 real devices and transfers: batch (data parallel) and heads (tensor
 parallel) sharding under jit run the kernel per shard without communicating
 and give the single-GPU numbers; ring attention over all GPUs matches the
-float64 reference. Run by scripts/gpu_multi.sh; skipped without two GPUs.
+float64 reference; MLA decode and the paged call split their heads over the
+GPUs (tensor-parallel serving) without communicating. Run by scripts/gpu_multi.sh; skipped without two GPUs.
 """
 
 import chex
@@ -113,3 +114,50 @@ def test_deterministic_ring_repeats_bitwise():
   first = run(q, k, v, dout)
   for _ in range(9):
     chex.assert_trees_all_equal(first, run(q, k, v, dout))
+
+
+def _replicated_but(mesh, inputs, sharded: dict):
+  """inputs placed on the mesh: the names in `sharded` with their spec, the
+  rest replicated."""
+  return {name: jax.device_put(x, NamedSharding(mesh, sharded.get(name, P())))
+          for name, x in inputs.items()}
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_mla_heads_over_gpus(fp8):
+  """MLA decode with its 128 query heads split over every GPU under plain
+  jit (tensor parallel; the latent cache replicated): no collective, and
+  each GPU's heads get the bits of a one-GPU call on those heads alone."""
+  from test_mla import make_batch, run
+  mesh = gpu_mesh("tp")
+  n = mesh.shape["tp"]
+  inputs, _ = make_batch(14, [300, 17], [2, 1], heads=128, fp8=fp8)
+  heads = P(None, None, "tp")
+  out, lse = run(_replicated_but(mesh, inputs, {"q": heads}), implementation="flash")
+  per = 128 // n
+  for shard in range(n):
+    own = slice(per * shard, per * (shard + 1))
+    want_out, want_lse = run(dict(inputs, q=inputs["q"][:, :, own]), implementation="flash")
+    np.testing.assert_array_equal(out[:, :, own], want_out)
+    np.testing.assert_array_equal(lse[:, own], want_lse)
+
+
+def test_paged_kv_heads_over_gpus():
+  """The paged call with its heads and its pool's kv heads split over every
+  GPU under plain jit (tensor-parallel serving): no collective, and the
+  float64 reference's numbers within the kernel's tolerance."""
+  from test_paged import assert_matches_float64, make_batch
+  mesh = gpu_mesh("tp")
+  n = mesh.shape["tp"]
+  inputs, keys, values = make_batch(11, [300, 17], [1, 5], page_size=64, heads_q=4 * n,
+                                    heads_kv=n, head_dim=128, dtype=DTYPE)
+  heads = P(None, None, "tp")
+  placed = _replicated_but(mesh, inputs, {"q": heads, "k_pages": heads, "v_pages": heads})
+  attend = jax.jit(lambda inputs: jax_flash.paged_attention(
+      **inputs, return_lse=True, implementation="flash"))
+  out, lse = attend(placed)
+  assert_sharded(out, mesh, heads)
+  hlo = attend.lower(placed).compile().as_text()
+  assert not [c for c in COLLECTIVES if c in hlo], "heads sharding must not communicate"
+  got = [np.asarray(x.astype(jnp.float32), np.float64) for x in (out, lse)]
+  assert_matches_float64(got, inputs, keys, values, DTYPE, f"over {n} GPUs")

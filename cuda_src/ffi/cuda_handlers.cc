@@ -155,6 +155,27 @@ ffi::Error PagedFwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_
                       softcap, window_left, window_right, split_pages);
 }
 
+ffi::Error PagedFp8FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                           ffi::AnyBuffer v_pages, ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales,
+                           ffi::AnyBuffer page_table, ffi::AnyBuffer q_lens,
+                           ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> o,
+                           ffi::Result<ffi::AnyBuffer> lse, float scale, float softcap,
+                           int32_t window_left, int32_t window_right, int32_t split_pages) {
+  g_handler_calls.fetch_add(1, std::memory_order_relaxed);
+  auto launch = [stream](const JfPagedFp8FwdArgs& args) {
+    return CallKernel([&](char* err, size_t n) {
+#ifdef JF_HAVE_FWD_SM90
+      return jax_flash_fwd_sm90_paged_fp8(&args, stream, err, n);
+#else
+      std::snprintf(err, n, "this build holds no Hopper kernels for the FP8 paged cache");
+      return 1;
+#endif
+    });
+  };
+  return PagedFp8Forward(launch, q, k_pages, v_pages, k_scales, v_scales, page_table, q_lens,
+                         kv_lens, o, lse, scale, softcap, window_left, window_right, split_pages);
+}
+
 ffi::Error Fp8FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v_t,
                       ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::AnyBuffer q_descale,
                       ffi::AnyBuffer k_descale, ffi::AnyBuffer v_descale,
@@ -252,6 +273,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFlashPagedFwdCuda, jax_flash::PagedFwdCuda,
     jax_flash::BindPagedForward(
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFlashPagedFp8FwdCuda, jax_flash::PagedFp8FwdCuda,
+    jax_flash::BindPagedFp8Forward(
         xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
     {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

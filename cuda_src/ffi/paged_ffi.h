@@ -1,10 +1,12 @@
-// The XLA FFI handler of the paged forward (kernel_api.h: JfPagedFwdArgs):
-// decodes and validates the buffers, then calls the kernel's entry point.
+// The XLA FFI handlers of the paged forward (kernel_api.h: JfPagedFwdArgs,
+// and JfPagedFp8FwdArgs on an FP8 cache): decode and validate the buffers,
+// then call the kernel's entry point.
 #ifndef JAX_FLASH_PAGED_FFI_H_
 #define JAX_FLASH_PAGED_FFI_H_
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "attention_ffi.h"
 
@@ -30,7 +32,7 @@ ffi::Error PagedForward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k_page
                         ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
                         ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                         float scale, float softcap, int32_t window_left, int32_t window_right,
-                        int32_t split_pages) {
+                        int32_t split_pages, bool fp8_cache = false) {
   int64_t qd[4], kd[4], vd[4], od[4];
   if (auto e = ReadRank4("q", q, qd); e.failure()) return e;
   if (auto e = ReadRank4("k_pages", k_pages, kd); e.failure()) return e;
@@ -42,9 +44,11 @@ ffi::Error PagedForward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k_page
                    ShapeString(v_pages.dimensions()) + " must share their pages, and k_pages q's "
                    "head_dim " + std::to_string(qd[3]));
   }
-  if (q.element_type() != k_pages.element_type() || q.element_type() != v_pages.element_type() ||
+  const ffi::DataType pages_type = fp8_cache ? ffi::DataType::F8E4M3FN : q.element_type();
+  if (k_pages.element_type() != pages_type || v_pages.element_type() != pages_type ||
       o->element_type() != q.element_type()) {
-    return Invalid("q, k_pages, v_pages and o must share one dtype");
+    return Invalid(fp8_cache ? "k_pages and v_pages must be float8_e4m3fn, o of q's dtype"
+                             : "q, k_pages, v_pages and o must share one dtype");
   }
   JfDtype dtype;
   if (!ToJfDtype(q.element_type(), &dtype)) return Invalid("q dtype must be float16 or bfloat16");
@@ -100,12 +104,41 @@ ffi::Error PagedForward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k_page
   return launch(args);
 }
 
+// The FP8 cache: its scales [num_pages, heads_kv, page_size] float32 beside
+// PagedForward's checks.
+template <typename Launch>
+ffi::Error PagedFp8Forward(Launch&& launch, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                           ffi::AnyBuffer v_pages, ffi::AnyBuffer k_scales,
+                           ffi::AnyBuffer v_scales, ffi::AnyBuffer page_table,
+                           ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
+                           ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                           float scale, float softcap, int32_t window_left,
+                           int32_t window_right, int32_t split_pages) {
+  int64_t kd[4];
+  if (auto e = ReadRank4("k_pages", k_pages, kd); e.failure()) return e;
+  for (auto [name, scales] : {std::pair{"k_scales", &k_scales}, std::pair{"v_scales", &v_scales}}) {
+    const auto dims = scales->dimensions();
+    if (scales->element_type() != ffi::DataType::F32 || dims.size() != 3 || dims[0] != kd[0] ||
+        dims[1] != kd[2] || dims[2] != kd[1]) {
+      return Invalid(std::string(name) + " must be float32 [num_pages, heads_kv, page_size] = (" +
+                     std::to_string(kd[0]) + ", " + std::to_string(kd[2]) + ", " +
+                     std::to_string(kd[1]) + "), got " + ShapeString(dims));
+    }
+  }
+  auto with_scales = [&](const JfPagedFwdArgs& base) {
+    JfPagedFp8FwdArgs args{base, static_cast<const float*>(k_scales.untyped_data()),
+                           static_cast<const float*>(v_scales.untyped_data())};
+    return launch(args);
+  };
+  return PagedForward(with_scales, q, k_pages, v_pages, page_table, q_lens, kv_lens, o, lse,
+                      scale, softcap, window_left, window_right, split_pages, true);
+}
+
+// The operands after the pools (and an FP8 cache's scales), the results
+// and the attributes of both handlers.
 template <typename Binding>
-auto BindPagedForward(Binding&& binding) {
+auto BindPagedTail(Binding&& binding) {
   return std::forward<Binding>(binding)
-      .template Arg<ffi::AnyBuffer>()  // q
-      .template Arg<ffi::AnyBuffer>()  // k_pages
-      .template Arg<ffi::AnyBuffer>()  // v_pages
       .template Arg<ffi::AnyBuffer>()  // page_table
       .template Arg<ffi::AnyBuffer>()  // q_lens
       .template Arg<ffi::AnyBuffer>()  // kv_lens
@@ -116,6 +149,24 @@ auto BindPagedForward(Binding&& binding) {
       .template Attr<int32_t>("window_left")
       .template Attr<int32_t>("window_right")
       .template Attr<int32_t>("split_pages");
+}
+
+template <typename Binding>
+auto BindPagedForward(Binding&& binding) {
+  return BindPagedTail(std::forward<Binding>(binding)
+                           .template Arg<ffi::AnyBuffer>()    // q
+                           .template Arg<ffi::AnyBuffer>()    // k_pages
+                           .template Arg<ffi::AnyBuffer>());  // v_pages
+}
+
+template <typename Binding>
+auto BindPagedFp8Forward(Binding&& binding) {
+  return BindPagedTail(std::forward<Binding>(binding)
+                           .template Arg<ffi::AnyBuffer>()    // q
+                           .template Arg<ffi::AnyBuffer>()    // k_pages (codes)
+                           .template Arg<ffi::AnyBuffer>()    // v_pages (codes)
+                           .template Arg<ffi::AnyBuffer>()    // k_scales
+                           .template Arg<ffi::AnyBuffer>());  // v_scales
 }
 
 }  // namespace jax_flash

@@ -42,7 +42,7 @@ from ..common.export_common import (
     export_variants,
     write_variants_header,
 )
-from .tile_config import FP8_TILE_CONFIG, KV_MULTICAST, PAGED, SHORT_TILE, TILE_CONFIG
+from .tile_config import FP8_CACHE_TILE_CONFIG, FP8_TILE_CONFIG, KV_MULTICAST, PAGED, SHORT_TILE, TILE_CONFIG
 
 ARCHES = ("sm_90a",)
 DTYPES = (("fp16", "JF_FLOAT16", "Float16"), ("bf16", "JF_BFLOAT16", "BFloat16"))
@@ -86,9 +86,10 @@ def _parse_args():
 
 def variant_name(arch: str, dtype_tag: str, head_dim: int, head_dim_v: int, has_segments: bool,
                  short: bool = False, pair: bool = False, paged: bool = False,
-                 fp8: bool = False) -> str:
+                 fp8: bool = False, fp8_cache: bool = False) -> str:
     """dtype_tag: the inputs' type; for fp8 (e4m3 inputs) the output's."""
-    family = ("fwdshort90" if short else "fwdpair90" if pair else "fwdpaged90" if paged
+    family = ("fwdshort90" if short else "fwdpair90" if pair else "fwdpagedfp890" if fp8_cache
+              else "fwdpaged90" if paged
               else "fwdfp890" if fp8 else "fwdseg90" if has_segments else "fwd90")
     value = "" if head_dim_v == head_dim else f"v{head_dim_v}"
     return f"jf_{family}_{arch}_{dtype_tag}_hd{head_dim}{value}"
@@ -140,6 +141,24 @@ def _fake_paged_args(dtype, head_dim, head_dim_v):
     return (fake.bthd(dtype, fake.seqlen_q, fake.heads_q), paged(head_dim), paged(head_dim_v), o, lse,
             fake.lens(), fake.lens(), *scalars, cutlass.runtime.make_fake_stream(), table,
             cutlass.Int32(1))
+
+
+def _fake_paged_fp8_args(dtype, head_dim, head_dim_v):
+    """call_paged_fp8's operands: call_paged's with e4m3 pages, and the
+    scales [num_pages, heads_kv, page_size] float32."""
+    import cutlass
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    args = list(_fake_paged_args(dtype, head_dim, head_dim_v))
+    k, v = args[1], args[2]
+    pages, page_size, heads_kv = k.shape[:3]
+    codes = lambda dim: make_fake_compact_tensor(
+        cutlass.Float8E4M3FN, (pages, page_size, heads_kv, dim), stride_order=ROW_MAJOR_4D,
+        assumed_align=VECTOR_ALIGN)
+    scales = lambda: make_fake_compact_tensor(cutlass.Float32, (pages, heads_kv, page_size),
+                                              stride_order=(2, 1, 0), assumed_align=VECTOR_ALIGN)
+    args[1], args[2] = codes(head_dim), codes(head_dim_v)
+    return (*args, scales(), scales())
 
 
 def _fake_fp8_args(out_dtype, head_dim, head_dim_v):
@@ -234,6 +253,19 @@ def main():
                              cute.compile(kernel.call_paged, *_fake_paged_args(dtype, *dims))))
             paged_built.append(f"{args.arch}, {enum_name}, {head_dim}, {head_dim_v}, {name}")
 
+    # The paged variant on an FP8 cache (paged_fp8.py), q and O in each 16-bit type.
+    paged_fp8_built = []
+    for dtype_tag, enum_name, cutlass_name in DTYPES:
+        for head_dim, head_dim_v in FP8_CACHE_TILE_CONFIG:
+            name = variant_name(args.arch, dtype_tag, head_dim, head_dim_v, False, fp8_cache=True)
+            if only is not None and name not in only:
+                continue
+            dtype = getattr(cutlass, cutlass_name)
+            kernel = FlashFwdSm90(dtype, head_dim, head_dim_v, paged_kv=True, fp8_cache=True)
+            variants.append((name, lambda kernel=kernel, dtype=dtype, dims=(head_dim, head_dim_v):
+                             cute.compile(kernel.call_paged_fp8, *_fake_paged_fp8_args(dtype, *dims))))
+            paged_fp8_built.append(f"{args.arch}, {enum_name}, {head_dim}, {head_dim_v}, {name}")
+
     # FP8 (e4m3) inputs, output in each 16-bit type (fp8_variant.py).
     fp8_built = []
     for dtype_tag, enum_name, cutlass_name in DTYPES:
@@ -267,6 +299,9 @@ def main():
             (f"X(arch, JfDtype, head_dim, head_dim_v, prefix) for every exported {args.arch} variant "
              "that reads K / V through a page table (call_paged).",
              f"JF_FWD_SM90_PAGED_VARIANTS_{arch_macro}", paged_built),
+            (f"X(arch, JfDtype, head_dim, head_dim_v, prefix) for every exported {args.arch} variant "
+             "that reads an FP8 paged cache (call_paged_fp8); JfDtype is q's.",
+             f"JF_FWD_SM90_PAGED_FP8_VARIANTS_{arch_macro}", paged_fp8_built),
             (f"X(arch, JfDtype, head_dim, head_dim_v, prefix) for every exported {args.arch} variant "
              "with e4m3 Q / K / V (call_fp8); JfDtype is the output's.",
              f"JF_FWD_SM90_FP8_VARIANTS_{arch_macro}", fp8_built),

@@ -60,7 +60,8 @@ class Fp8Variant:
 
     def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
         """The CTA's shared memory: barriers, Q, the K / V stages and, for
-        FP8, O (in the 16-bit kernels O reuses Q's buffer)."""
+        FP8, O (in the 16-bit kernels O reuses Q's buffer); with an FP8
+        cache its stages (paged_fp8.py)."""
 
         def aligned(dtype, layout):
             return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
@@ -75,6 +76,8 @@ class Fp8Variant:
         }
         if self.fp8:
             fields["sO"] = aligned(self.out_dtype, sO_layout)
+        if self.fp8_cache:
+            fields.update(self._fp8_cache_fields())
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.jit

@@ -52,12 +52,13 @@ from .launch_order import tile_of_cta
 from .kv_producer import WG_ROWS, KVProducer
 from .online_softmax import online_softmax, rescale_rows
 from .output_tile import store_output_tile
-from .paged_kv import PAGE_BOX, PagedProblem, produce_paged, slab_layouts
+from .paged_kv import PAGE_BOX, PagedCall, PagedProblem, produce_paged, slab_layouts
+from .paged_fp8 import CONVERT_WARPS, PRODUCER_REGS as CONVERTER_REGS, Fp8Cache
 from .score_mask import mask_tile, unseen_leading_tiles
 from .segment_ids import warp_bounds_union
 from .fp8_operands import FP8, p_fragments
 from .fp8_variant import Fp8Variant
-from .tile_config import FP8_TILE_CONFIG, Q_IN_REGISTERS, REDUCTION_PARTIALS, TILE_CONFIG
+from .tile_config import FP8_CACHE_TILE_CONFIG, FP8_TILE_CONFIG, Q_IN_REGISTERS, REDUCTION_PARTIALS, TILE_CONFIG
 from .value_check import ValueChecks
 
 # setmaxnreg only moves registers inside the CTA's launch allocation (64K
@@ -68,7 +69,7 @@ from .value_check import ValueChecks
 PRODUCER_REGS = 24
 SMEM_PER_SM = 228 * 1024  # of which each resident CTA reserves 1 KiB
 
-class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant):
+class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall, Fp8Cache):
     """Forward attention for one dtype (FP8: fp8_variant.py) and (head_dim, head_dim_v) pair."""
 
     def __init__(
@@ -88,6 +89,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant):
         reduction_partials: int = None,
         paged_kv: bool = False,
         out_dtype: Type[cutlass.Numeric] = None,
+        fp8_cache: bool = False,
     ):
         head_dim_v = head_dim_v or head_dim
         if not self.can_implement(dtype, head_dim, head_dim_v):
@@ -101,8 +103,15 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant):
             dtype, out_dtype, plain=not (has_segments or kv_multicast or paged_kv or ctas_per_sm != 1))
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
-        tiles = FP8_TILE_CONFIG if self.fp8 else TILE_CONFIG
-        default_n, default_stages, default_consumers = tiles[head_dim, head_dim_v]
+        # An FP8 paged cache (paged_fp8.py): 16-bit consumers, FP8 stages of its own.
+        if fp8_cache and (not paged_kv or self.fp8 or (head_dim, head_dim_v) not in FP8_CACHE_TILE_CONFIG):
+            raise ValueError(f"FlashFwdSm90: fp8_cache needs paged_kv, 16-bit q and one of "
+                             f"{sorted(FP8_CACHE_TILE_CONFIG)}")
+        self.fp8_cache = fp8_cache
+        tiles = FP8_CACHE_TILE_CONFIG if fp8_cache else FP8_TILE_CONFIG if self.fp8 else TILE_CONFIG
+        default_n, default_stages, default_consumers, *fp8_stages = tiles[head_dim, head_dim_v]
+        self.fp8_stages = fp8_stages[0] if fp8_cache else 0
+        self.producer_regs = CONVERTER_REGS if fp8_cache else PRODUCER_REGS
         self.tile_n = tile_n or default_n
         self.kv_stages = kv_stages or default_stages
         self.conditional_rescale = conditional_rescale
@@ -134,7 +143,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant):
         # take the registers (hd128: 152 bytes spilled).
         if q_in_registers is None:
             q_in_registers = ((head_dim, head_dim_v) in Q_IN_REGISTERS and not has_segments
-                              and not self.fp8)
+                              and not self.fp8 and not fp8_cache)
         self.q_in_registers = q_in_registers
         self.reduction_partials = reduction_partials or REDUCTION_PARTIALS.get(
             (head_dim, head_dim_v), 1)
@@ -145,6 +154,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant):
         smem = (self.tile_m * head_dim + self.kv_stages * kv_stage) * elem + 1024
         if self.fp8:  # O in its own buffer: Q's holds half its bytes
             smem += self.tile_m * head_dim_v * self.out_dtype.width // 8
+        smem += self._fp8_smem_bytes() if fp8_cache else 0
         budget = SMEM_PER_SM // ctas_per_sm - 1024
         if smem > budget:
             raise ValueError(
@@ -157,7 +167,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant):
         A CTA's launch allocation is a multiple of 8 registers per thread
         (80, not 85, at three CTAs of two warpgroups per SM)."""
         per_thread = 65536 // self.ctas_per_sm // (WG_THREADS * (1 + self.consumers)) // 8 * 8
-        spare = per_thread * (1 + self.consumers) - PRODUCER_REGS
+        spare = per_thread * (1 + self.consumers) - self.producer_regs
         return min(240, spare // self.consumers // 8 * 8)
 
     @staticmethod
@@ -207,28 +217,10 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant):
                      window_left, window_right, stream, mSinks, mQSeg, mKVSeg, mKVBounds)
 
     @cute.jit
-    def call_paged(
-        self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-        mLSE: cute.Tensor, mQLens: cute.Tensor, mKVLens: cute.Tensor,
-        scale: cutlass.Float32, softcap: cutlass.Float32, diag_offset: cutlass.Int32,
-        window_left: cutlass.Int32, window_right: cutlass.Int32, stream: cuda.CUstream,
-        mPageTable: cute.Tensor,  # [B, splits * split_pages] int32
-        split_pages: cutlass.Int32,
-    ):
-        """Entry point of the paged variant (paged_kv.py): mK / mV are
-        [num_pages, page_size, Nkv, H] pages, mKVLens the cache lengths, mO /
-        mLSE hold one partial result per (sequence, split): [B * splits, ...].
-        The mask's diagonal is diag_offset from each sequence's bottom right.
-        No sinks: the caller merges the splits and adds them."""
-        self._launch(mQ, mK, mV, mO, mLSE, mQLens, mKVLens, scale, softcap, diag_offset,
-                     window_left, window_right, stream, None, None, None, None, mPageTable,
-                     split_pages)
-
-    @cute.jit
     def _launch(
         self, mQ, mK, mV, mO, mLSE, mQLens, mKVLens, scale, softcap, diag_offset,
         window_left, window_right, stream, mSinks, mQSeg, mKVSeg, mKVBounds, mPageTable=None,
-        split_pages=None, descales=(None, None, None),
+        split_pages=None, descales=(None, None, None), scales=None,
     ):
         if cutlass.const_expr(self.has_segments != (mQSeg is not None)):
             raise TypeError("segment tensors must be given exactly for the has_segments variant")
@@ -287,12 +279,16 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant):
         sK_box, sV_box, box_n = sK_stage, sV_stage, tile_n
         if cutlass.const_expr(self.paged_kv):
             (sK_box, sV_box), box_n = slab_layouts(sK_stage, sV_stage, hd, hd_v), PAGE_BOX
-        tma_k, mK_tma = cpasync.make_tiled_tma_atom(
-            g2s_kv, mKt, sK_box, (box_n, hd), num_multicast=self.cluster_size
-        )
-        tma_v, mV_tma = cpasync.make_tiled_tma_atom(
-            g2s_kv, mVt, sV_box, (hd_v, box_n), num_multicast=self.cluster_size
-        )
+        scale_atoms = (None,) * 4
+        if cutlass.const_expr(self.fp8_cache):
+            tma_k, mK_tma, tma_v, mV_tma, *scale_atoms = self._fp8_cache_atoms(mK, mV, scales)
+        else:
+            tma_k, mK_tma = cpasync.make_tiled_tma_atom(
+                g2s_kv, mKt, sK_box, (box_n, hd), num_multicast=self.cluster_size
+            )
+            tma_v, mV_tma = cpasync.make_tiled_tma_atom(
+                g2s_kv, mVt, sV_box, (hd_v, box_n), num_multicast=self.cluster_size
+            )
         tma_o, mO_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mOt, sO_stage, (WG_ROWS, hd_v)
         )
@@ -311,7 +307,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant):
             tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, tma_o, mO_tma,
             mLSE, mQLens, mKVLens,
             scale, softcap, diag_offset, window_left, window_right,
-            mSinks, mQSeg, mKVSeg, mKVBounds, mPageTable, split_pages, *descales,
+            mSinks, mQSeg, mKVSeg, mKVBounds, mPageTable, split_pages, *descales, *scale_atoms,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(
@@ -353,6 +349,10 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant):
         mQDescale: Optional[cute.Tensor],
         mKDescale: Optional[cute.Tensor],
         mVDescale: Optional[cute.Tensor],
+        tma_ks: Optional[cute.CopyAtom],
+        mKS: Optional[cute.Tensor],
+        tma_vs: Optional[cute.CopyAtom],
+        mVS: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -365,8 +365,9 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = warp_idx // 4
         if warp_idx == 0:
-            for atom in (tma_q, tma_k, tma_v, tma_o):
-                cpasync.prefetch_descriptor(atom)
+            for atom in (tma_q, tma_k, tma_v, tma_o, tma_ks, tma_vs):
+                if cutlass.const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
         tile_n = self.tile_n
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
@@ -436,6 +437,8 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant):
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # With an FP8 cache each producer warp fills a share of a K / V stage and arrives once.
+        kv_producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, CONVERT_WARPS if self.fp8_cache else 1)
         # Consumers release a stage with one arrive per warp, and a K / V
         # stage with one per warp of every CTA of the cluster (each CTA's
         # producer writes into all of them).
@@ -452,14 +455,15 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant):
         )
         pipe_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.kv_stages,
-            producer_group=producer_group, consumer_group=kv_consumer_group,
+            producer_group=kv_producers, consumer_group=kv_consumer_group,
             tx_count=self.k_bytes, cta_layout_vmnk=cluster_layout, defer_sync=True,
         )
         pipe_v = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.kv_stages,
-            producer_group=producer_group, consumer_group=kv_consumer_group,
+            producer_group=kv_producers, consumer_group=kv_consumer_group,
             tx_count=self.v_bytes, cta_layout_vmnk=cluster_layout, defer_sync=True,
         )
+        pipe8 = self._fp8_pipeline(storage, producer_group) if cutlass.const_expr(self.fp8_cache) else None
         cute.arch.mbarrier_init_fence()
         if cutlass.const_expr(self.cluster_size > 1):
             # The peer arrives on and writes into this CTA's barriers and
@@ -470,8 +474,12 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant):
             cute.arch.sync_threads()
 
         if wg_idx == 0:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            if warp_idx == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if cutlass.const_expr(self.fp8_cache):
+                self._produce_fp8_cache(tma_q, mQ, sQ, pipe_q, (tma_k, mK, tma_v, mV, tma_ks, mKS, tma_vs, mVS),
+                                        storage, sK_layout, sV_layout, pipe_k, pipe_v, pipe8, mPageTable, paged,
+                                        head_q, head_kv, wg_tile0, n_block_max, num_n_blocks, tidx)
+            elif warp_idx == 0:
                 if cutlass.const_expr(self.paged_kv):
                     produce_paged(
                         tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, pipe_q, pipe_k, pipe_v,

@@ -196,48 +196,84 @@ int Validate(const JfFwdArgs* args, char* err, size_t err_len) {
 
 constexpr int kPageBox = 16;  // paged_kv.py: PAGE_BOX, the rows of one TMA box
 
-// Fills the generated descriptors (dynamic modes only, as above) and launches.
+// The paged call's generated descriptors (dynamic modes only, as above)
+// from a: JfPagedFwdArgs; the FP8 cache adds its scales.
+#define JF_FWD90_PAGED_LAUNCH_BEGIN(prefix, who)                                           \
+  cudaError_t load = EnsureLoaded(g_##prefix, prefix##_Kernel_Module_Load);               \
+  if (load != cudaSuccess) {                                                              \
+    return Fail(err, err_len, who ": loading " #prefix ": %s", cudaGetErrorString(load)); \
+  }                                                                                       \
+  const JfProblem& p = a.problem;                                                         \
+  const int64_t h = p.head_dim, hv = p.head_dim_v;                                        \
+  const int32_t outs = p.batch * (a.max_pages / a.split_pages); /* <= kMaxGridYZ */       \
+  prefix##_Tensor_mQ_t q = {const_cast<void*>(a.q),                                       \
+                            {p.batch, p.seqlen_q, p.heads_q},                             \
+                            {Prod(p.seqlen_q, p.heads_q, h), Prod(p.heads_q, h)}};        \
+  prefix##_Tensor_mK_t k = {const_cast<void*>(a.k_pages),                                 \
+                            {a.num_pages, a.page_size, p.heads_kv},                       \
+                            {Prod(a.page_size, p.heads_kv, h), Prod(p.heads_kv, h)}};     \
+  prefix##_Tensor_mV_t v = {const_cast<void*>(a.v_pages),                                 \
+                            {a.num_pages, a.page_size, p.heads_kv},                       \
+                            {Prod(a.page_size, p.heads_kv, hv), Prod(p.heads_kv, hv)}};   \
+  prefix##_Tensor_mO_t o = {a.o,                                                          \
+                            {outs, p.seqlen_q, p.heads_q},                                \
+                            {Prod(p.seqlen_q, p.heads_q, hv), Prod(p.heads_q, hv)}};      \
+  prefix##_Tensor_mLSE_t lse = {a.lse,                                                    \
+                                {outs, p.heads_q, p.seqlen_q},                            \
+                                {Prod(p.heads_q, p.seqlen_q), p.seqlen_q}};               \
+  prefix##_Tensor_mQLens_t q_lens = {const_cast<int32_t*>(a.q_lens), {p.batch}};          \
+  prefix##_Tensor_mKVLens_t kv_lens = {const_cast<int32_t*>(a.kv_lens), {p.batch}};       \
+  prefix##_Tensor_mPageTable_t table = {const_cast<int32_t*>(a.page_table),               \
+                                        {p.batch, a.max_pages}, {a.max_pages}};
+#define JF_FWD90_PAGED_LAUNCH_END(prefix, who, ...)                                         \
+  int32_t rc = cute_dsl_##prefix##_wrapper(                                               \
+      &g_##prefix.module, &q, &k, &v, &o, &lse, &q_lens, &kv_lens, p.scale, p.softcap,    \
+      p.diag_offset, p.window_left, p.window_right, stream, &table, a.split_pages          \
+      __VA_ARGS__);                                                                       \
+  if (rc != 0) return Fail(err, err_len, who ": " #prefix " returned %d", rc);            \
+  return 0;
+
 #define JF_DEFINE_FWD_PAGED_VARIANT(arch_tag, dtype_enum, hd, hd_v, prefix)                  \
   LoadedModule<prefix##_Kernel_Module_t> g_##prefix;                                      \
   int Launch_##prefix(const JfPagedFwdArgs& a, cudaStream_t stream, char* err,            \
                       size_t err_len) {                                                   \
-    cudaError_t load = EnsureLoaded(g_##prefix, prefix##_Kernel_Module_Load);             \
-    if (load != cudaSuccess) {                                                            \
-      return Fail(err, err_len, "jax_flash_fwd_sm90_paged: loading " #prefix ": %s",      \
-                  cudaGetErrorString(load));                                              \
-    }                                                                                     \
-    const JfProblem& p = a.problem;                                                       \
-    const int64_t h = p.head_dim, hv = p.head_dim_v;                                      \
-    const int32_t outs = p.batch * (a.max_pages / a.split_pages);  /* <= kMaxGridYZ */     \
-    prefix##_Tensor_mQ_t q = {const_cast<void*>(a.q),                                     \
-                              {p.batch, p.seqlen_q, p.heads_q},                           \
-                              {Prod(p.seqlen_q, p.heads_q, h), Prod(p.heads_q, h)}};      \
-    prefix##_Tensor_mK_t k = {const_cast<void*>(a.k_pages),                               \
-                              {a.num_pages, a.page_size, p.heads_kv},                     \
-                              {Prod(a.page_size, p.heads_kv, h), Prod(p.heads_kv, h)}};   \
-    prefix##_Tensor_mV_t v = {const_cast<void*>(a.v_pages),                               \
-                              {a.num_pages, a.page_size, p.heads_kv},                     \
-                              {Prod(a.page_size, p.heads_kv, hv), Prod(p.heads_kv, hv)}}; \
-    prefix##_Tensor_mO_t o = {a.o,                                                        \
-                              {outs, p.seqlen_q, p.heads_q},                              \
-                              {Prod(p.seqlen_q, p.heads_q, hv), Prod(p.heads_q, hv)}};    \
-    prefix##_Tensor_mLSE_t lse = {a.lse,                                                  \
-                                  {outs, p.heads_q, p.seqlen_q},                          \
-                                  {Prod(p.heads_q, p.seqlen_q), p.seqlen_q}};             \
-    prefix##_Tensor_mQLens_t q_lens = {const_cast<int32_t*>(a.q_lens), {p.batch}};        \
-    prefix##_Tensor_mKVLens_t kv_lens = {const_cast<int32_t*>(a.kv_lens), {p.batch}};     \
-    prefix##_Tensor_mPageTable_t table = {const_cast<int32_t*>(a.page_table),             \
-                                          {p.batch, a.max_pages}, {a.max_pages}};         \
-    int32_t rc = cute_dsl_##prefix##_wrapper(                                             \
-        &g_##prefix.module, &q, &k, &v, &o, &lse, &q_lens, &kv_lens, p.scale, p.softcap,  \
-        p.diag_offset, p.window_left, p.window_right, stream, &table, a.split_pages);     \
-    if (rc != 0) {                                                                        \
-      return Fail(err, err_len, "jax_flash_fwd_sm90_paged: " #prefix " returned %d", rc); \
-    }                                                                                     \
-    return 0;                                                                             \
+    JF_FWD90_PAGED_LAUNCH_BEGIN(prefix, "jax_flash_fwd_sm90_paged")                       \
+    JF_FWD90_PAGED_LAUNCH_END(prefix, "jax_flash_fwd_sm90_paged")                         \
   }
 JF_FWD_SM90_PAGED_VARIANTS_SM_90A(JF_DEFINE_FWD_PAGED_VARIANT)
 #undef JF_DEFINE_FWD_PAGED_VARIANT
+
+// kernel.py call_paged_fp8: the scales [num_pages, heads_kv, page_size].
+#define JF_DEFINE_FWD_PAGED_FP8_VARIANT(arch_tag, dtype_enum, hd, hd_v, prefix)              \
+  LoadedModule<prefix##_Kernel_Module_t> g_##prefix;                                      \
+  int Launch_##prefix(const JfPagedFp8FwdArgs& f, cudaStream_t stream, char* err,         \
+                      size_t err_len) {                                                   \
+    const JfPagedFwdArgs& a = f.base;                                                     \
+    JF_FWD90_PAGED_LAUNCH_BEGIN(prefix, "jax_flash_fwd_sm90_paged_fp8")                   \
+    const int32_t scale_dims[] = {a.num_pages, p.heads_kv, a.page_size};                  \
+    const int64_t scale_strides[] = {Prod(p.heads_kv, a.page_size), a.page_size};         \
+    prefix##_Tensor_mKScale_t k_scales = {const_cast<float*>(f.k_scales),                 \
+                                          {scale_dims[0], scale_dims[1], scale_dims[2]},  \
+                                          {scale_strides[0], scale_strides[1]}};          \
+    prefix##_Tensor_mVScale_t v_scales = {const_cast<float*>(f.v_scales),                 \
+                                          {scale_dims[0], scale_dims[1], scale_dims[2]},  \
+                                          {scale_strides[0], scale_strides[1]}};          \
+    JF_FWD90_PAGED_LAUNCH_END(prefix, "jax_flash_fwd_sm90_paged_fp8", , &k_scales, &v_scales) \
+  }
+JF_FWD_SM90_PAGED_FP8_VARIANTS_SM_90A(JF_DEFINE_FWD_PAGED_FP8_VARIANT)
+#undef JF_DEFINE_FWD_PAGED_FP8_VARIANT
+#undef JF_FWD90_PAGED_LAUNCH_BEGIN
+#undef JF_FWD90_PAGED_LAUNCH_END
+
+using PagedFp8LaunchFn = int (*)(const JfPagedFp8FwdArgs&, cudaStream_t, char*, size_t);
+
+PagedFp8LaunchFn FindPagedFp8Variant(int32_t dtype, int32_t head_dim, int32_t head_dim_v) {
+#define JF_MATCH_PAGED_FP8_VARIANT(arch_tag, dtype_enum, hd, hd_v, prefix) \
+  if (dtype == dtype_enum && head_dim == hd && head_dim_v == hd_v) return Launch_##prefix;
+  JF_FWD_SM90_PAGED_FP8_VARIANTS_SM_90A(JF_MATCH_PAGED_FP8_VARIANT)
+#undef JF_MATCH_PAGED_FP8_VARIANT
+  return nullptr;
+}
 
 using PagedLaunchFn = int (*)(const JfPagedFwdArgs&, cudaStream_t, char*, size_t);
 
@@ -290,6 +326,24 @@ int ValidatePaged(const JfPagedFwdArgs* a, char* err, size_t err_len) {
   if (a->page_table == nullptr || a->q_lens == nullptr || a->kv_lens == nullptr ||
       a->lse == nullptr) {
     return Fail(err, err_len, "jax_flash_fwd_sm90_paged: a table, length or lse pointer is null");
+  }
+  return 0;
+}
+
+// The FP8 cache: the paged call's rules, a kernel for q's dtype, the scales.
+int ValidatePagedFp8(const JfPagedFp8FwdArgs* a, char* err, size_t err_len) {
+  if (a == nullptr) return Fail(err, err_len, "jax_flash_fwd_sm90_paged_fp8: args is null");
+  const JfProblem& p = a->base.problem;
+  if (FindPagedFp8Variant(p.dtype, p.head_dim, p.head_dim_v) == nullptr) {
+    return Fail(err, err_len,
+                "jax_flash_fwd_sm90_paged_fp8: no kernel for JfDtype %d, head_dim %d, "
+                "head_dim_v %d", static_cast<int>(p.dtype), p.head_dim, p.head_dim_v);
+  }
+  // The codes' pool has the layout of a 16-bit one: ValidatePaged checks it
+  // for a variant of q's dtype and head dims, which every FP8 one has.
+  if (int rc = ValidatePaged(&a->base, err, err_len)) return rc;
+  if (p.batch != 0 && p.seqlen_q != 0 && (a->k_scales == nullptr || a->v_scales == nullptr)) {
+    return Fail(err, err_len, "jax_flash_fwd_sm90_paged_fp8: a scales pointer is null");
   }
   return 0;
 }
@@ -423,6 +477,32 @@ extern "C" int jax_flash_fwd_sm90_paged(const JfPagedFwdArgs* args, void* stream
   e = cudaGetLastError();
   if (e != cudaSuccess) {
     return Fail(err, err_len, "jax_flash_fwd_sm90_paged: launch failed: %s", cudaGetErrorString(e));
+  }
+  return 0;
+}
+
+extern "C" int jax_flash_fwd_sm90_paged_fp8_has_variant(int32_t dtype, int32_t head_dim,
+                                                        int32_t head_dim_v) {
+  return FindPagedFp8Variant(dtype, head_dim, head_dim_v) != nullptr;
+}
+
+extern "C" int jax_flash_fwd_sm90_paged_fp8(const JfPagedFp8FwdArgs* args, void* stream,
+                                            char* err, size_t err_len) {
+  if (int rc = ValidatePagedFp8(args, err, err_len)) return rc;
+  const JfProblem& p = args->base.problem;
+  if (p.batch == 0 || p.seqlen_q == 0) return 0;
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess || !IsHopper(device)) {
+    return Fail(err, err_len,
+                "jax_flash_fwd_sm90_paged_fp8: device %d is not compute capability 9.x", device);
+  }
+  PagedFp8LaunchFn launch = FindPagedFp8Variant(p.dtype, p.head_dim, p.head_dim_v);
+  if (int rc = launch(*args, static_cast<cudaStream_t>(stream), err, err_len)) return rc;
+  e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    return Fail(err, err_len, "jax_flash_fwd_sm90_paged_fp8: launch failed: %s",
+                cudaGetErrorString(e));
   }
   return 0;
 }

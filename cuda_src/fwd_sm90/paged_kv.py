@@ -15,6 +15,8 @@ Keys are numbered from the split's first; the queries sit at the end of
 their sequence, so the causal diagonal is per sequence.
 """
 
+import cuda.bindings.driver as cuda
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -23,6 +25,28 @@ from cutlass.cute.nvgpu import cpasync
 # Rows of one TMA box: the smallest page size served. A multiple of the
 # 8-row swizzle atom, so every box of a tile starts on an atom boundary.
 PAGE_BOX = 16
+
+
+class PagedCall:
+    """FlashFwdSm90's paged entry point."""
+
+    @cute.jit
+    def call_paged(
+        self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+        mLSE: cute.Tensor, mQLens: cute.Tensor, mKVLens: cute.Tensor,
+        scale: cutlass.Float32, softcap: cutlass.Float32, diag_offset: cutlass.Int32,
+        window_left: cutlass.Int32, window_right: cutlass.Int32, stream: cuda.CUstream,
+        mPageTable: cute.Tensor,  # [B, splits * split_pages] int32
+        split_pages: cutlass.Int32,
+    ):
+        """Entry point of the paged variant (paged_kv.py): mK / mV are
+        [num_pages, page_size, Nkv, H] pages, mKVLens the cache lengths, mO /
+        mLSE hold one partial result per (sequence, split): [B * splits, ...].
+        The mask's diagonal is diag_offset from each sequence's bottom right.
+        No sinks: the caller merges the splits and adds them."""
+        self._launch(mQ, mK, mV, mO, mLSE, mQLens, mKVLens, scale, softcap, diag_offset,
+                     window_left, window_right, stream, None, None, None, None, mPageTable,
+                     split_pages)
 
 
 class PagedProblem:

@@ -181,6 +181,17 @@ typedef struct JfPagedFwdArgs {
   float* lse;
 } JfPagedFwdArgs;
 
+// The paged forward on an FP8 cache (paged_attention with Fp8Pages): base's
+// k_pages / v_pages hold float8_e4m3fn codes in the same layout, token i of
+// page p and kv head h standing for code x k_scales[p, h, i] (v_scales for
+// values); problem.dtype is q's and o's (float16 or bfloat16).
+//   k_scales, v_scales [num_pages, heads_kv, page_size] float32
+typedef struct JfPagedFp8FwdArgs {
+  JfPagedFwdArgs base;
+  const float* k_scales;
+  const float* v_scales;
+} JfPagedFp8FwdArgs;
+
 // MLA decoding (jax_flash.mla_decode) against a paged bfloat16 / float16
 // latent cache: one 576-wide row per token (512 latent columns, the values,
 // then 64 RoPE columns), read by every query head.
@@ -304,6 +315,11 @@ int jax_flash_paged_fwd_cpu(const JfPagedFwdArgs* args, char* err, size_t err_le
 int jax_flash_fwd_sm90_paged_can_implement(const JfPagedFwdArgs* args);
 int jax_flash_fwd_sm90_paged(const JfPagedFwdArgs* args, void* stream, char* err,
                              size_t err_len);
+// The same on an FP8 cache: whether this build holds a kernel for q's dtype
+// and the head dims (Python asks while tracing), and the call.
+int jax_flash_fwd_sm90_paged_fp8_has_variant(int32_t dtype, int32_t head_dim, int32_t head_dim_v);
+int jax_flash_fwd_sm90_paged_fp8(const JfPagedFp8FwdArgs* args, void* stream, char* err,
+                                 size_t err_len);
 // The paged forward of the sm80 family (compute capability 8.x and 9.x,
 // head_dim == head_dim_v in 64, 96, 128, 192, 256, any page size): 1 when
 // it serves the problem on the current device.
