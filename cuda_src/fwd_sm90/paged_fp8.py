@@ -29,7 +29,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .kv_producer import WG_ROWS
-from .paged_kv import PAGE_BOX, page_of_box
+from .paged_kv import PAGE_BOX, load_query_rows, page_of_box
 
 FP8 = cutlass.Float8E4M3FN
 CONVERT_WARPS = 4  # the producer warpgroup
@@ -153,7 +153,6 @@ def produce_paged_fp8(
     sK8, sV8, sKS, sVS, k8_base, v8_base = staging
     head_dim, head_dim_v = cute.size(sK8, mode=[1]), cute.size(sV8, mode=[1])
     warp = tidx // 32
-    sequence = problem.sequence
     lookup = problem.page_lookup()
     # Global boxes: codes (PAGE_BOX, dim, box, 1, page), scales (PAGE_BOX, box, page).
     gK = cute.flat_divide(mK[None, None, head_kv, None], (PAGE_BOX, head_dim))
@@ -171,14 +170,7 @@ def produce_paged_fp8(
                           for j in range(tile_n // PAGE_BOX)]
 
     if warp == 0:
-        gQ = cute.local_tile(mQ[None, None, head_q, sequence], (wg_rows, head_dim), (None, 0))
-        tQsQ, tQgQ = part(tma_q, sQ, gQ, 2)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, consumers)
-        for w in cutlass.range_constexpr(consumers):
-            pipe_q.producer_acquire(q_state)
-            cute.copy(tma_q, tQgQ[None, cutlass.max(wg_tile0 + w, 0)], tQsQ[None, w],
-                      tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-            q_state.advance()
+        load_query_rows(tma_q, mQ, sQ, pipe_q, head_q, problem.sequence, wg_tile0, consumers, wg_rows)
 
     issue_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, fp8_stages)
     if warp == 0:

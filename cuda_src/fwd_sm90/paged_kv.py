@@ -102,6 +102,22 @@ def slabs(sK, sV, head_dim, head_dim_v):
 
 
 @cute.jit
+def load_query_rows(tma_q, mQ, sQ, pipe_q, head_q, sequence, wg_tile0, consumers: cutlass.Constexpr,
+                    wg_rows: cutlass.Constexpr):
+    """One producer warp: each consumer's Q rows of `sequence`, on barriers
+    of their own."""
+    gQ = cute.local_tile(mQ[None, None, head_q, sequence], (wg_rows, cute.size(sQ, mode=[1])), (None, 0))
+    tQsQ, tQgQ = cpasync.tma_partition(
+        tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+    q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, consumers)
+    for w in cutlass.range_constexpr(consumers):
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_q, tQgQ[None, cutlass.max(wg_tile0 + w, 0)], tQsQ[None, w],
+                  tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        q_state.advance()
+
+
+@cute.jit
 def produce_paged(
     tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, pipe_q, pipe_k, pipe_v, mPageTable,
     problem: PagedProblem, head_q, head_kv, wg_tile0, n_block_max, num_n_blocks,
@@ -112,10 +128,6 @@ def produce_paged(
     then K(n) and V(n) for n = n_block_max - 1 down, box by box from their
     pages."""
     head_dim, head_dim_v = cute.size(sK, mode=[1]), cute.size(sV, mode=[0])
-    sequence = problem.sequence
-    gQ = cute.local_tile(mQ[None, None, head_q, sequence], (wg_rows, head_dim), (None, 0))
-    tQsQ, tQgQ = cpasync.tma_partition(
-        tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
     # Global boxes: K (PAGE_BOX, head_dim, box, 1, page), V (head_dim_v, PAGE_BOX, 1, box, page).
     gK = cute.flat_divide(mK[None, None, head_kv, None], (PAGE_BOX, head_dim))
     gV = cute.flat_divide(mV[None, None, head_kv, None], (head_dim_v, PAGE_BOX))
@@ -124,12 +136,7 @@ def produce_paged(
         tma_k, 0, cute.make_layout(1), cute.group_modes(sK_slabs, 0, 2), cute.group_modes(gK, 0, 2))
     tVsV, tVgV = cpasync.tma_partition(
         tma_v, 0, cute.make_layout(1), cute.group_modes(sV_slabs, 0, 2), cute.group_modes(gV, 0, 2))
-    q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, consumers)
-    for w in cutlass.range_constexpr(consumers):
-        pipe_q.producer_acquire(q_state)
-        cute.copy(tma_q, tQgQ[None, cutlass.max(wg_tile0 + w, 0)], tQsQ[None, w],
-                  tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-        q_state.advance()
+    load_query_rows(tma_q, mQ, sQ, pipe_q, head_q, problem.sequence, wg_tile0, consumers, wg_rows)
     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, kv_stages)
     lookup = problem.page_lookup()
     for i in cutlass.range(num_n_blocks, unroll=1):
