@@ -61,11 +61,10 @@ from .fp8_variant import Fp8Variant
 from .tile_config import FP8_CACHE_TILE_CONFIG, FP8_TILE_CONFIG, Q_IN_REGISTERS, REDUCTION_PARTIALS, TILE_CONFIG
 from .value_check import ValueChecks
 
-# setmaxnreg only moves registers inside the CTA's launch allocation (64K
-# registers shared by all threads; consumer_registers): 2 consumers 128 * 24 +
-# 256 * 240 == 168 * 384, 3: 128 * 24 + 384 * 160 <= 128 * 512; one consumer
-# at 2 / 3 CTAs per SM 128 * 24 + 128 * 232 == 128 * 256, 128 * 24 + 128 * 136
-# == 80 * 256. Asking for more makes the consumers' increase wait forever.
+# setmaxnreg only moves registers inside the CTA's launch allocation (64K registers shared by all threads;
+# consumer_registers): 2 consumers 128 * 24 + 256 * 240 == 168 * 384, 3: 128 * 24 + 384 * 160 <= 128 * 512;
+# one consumer at 2 / 3 CTAs per SM 128 * 24 + 128 * 232 == 128 * 256, 128 * 24 + 128 * 136 == 80 * 256.
+# Asking for more makes the consumers' increase wait forever.
 PRODUCER_REGS = 24
 SMEM_PER_SM = 228 * 1024  # of which each resident CTA reserves 1 KiB
 
@@ -126,10 +125,9 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
         # More than one CTA per SM splits the registers and shared memory, and lets one
         # CTA's prologue and epilogue overlap another's GEMMs.
         self.ctas_per_sm = ctas_per_sm
-        # Two CTAs of neighbouring query tiles form a cluster and each loads half of every
-        # K / V tile into both (TMA multicast), which halves the K / V traffic out of L2.
-        # Both must walk the same KV tiles, so the launcher runs this variant only without
-        # a window or segments.
+        # Two CTAs of neighbouring query tiles form a cluster and each loads half of every K / V tile into
+        # both (TMA multicast), which halves the K / V traffic out of L2. Both must walk the same KV tiles, so
+        # the launcher runs this variant only without a window or segments.
         if kv_multicast and has_segments:
             raise ValueError("FlashFwdSm90: kv_multicast needs has_segments=False")
         self.cluster_size = 2 if kv_multicast else 1
@@ -227,9 +225,8 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
         if cutlass.const_expr(self.paged_kv != (mPageTable is not None)):
             raise TypeError("a page table must be given exactly for the paged_kv variant")
         hd, hd_v, tile_n = self.head_dim, self.head_dim_v, self.tile_n
-        # TMA views with the contiguous head dim first: Q/K/O as (seq, hd, heads,
-        # batch) and V transposed as (hd, seq, heads, batch), the N-major B
-        # operand of O = P V.
+        # TMA views with the contiguous head dim first: Q/K/O as (seq, hd, heads, batch) and V transposed as
+        # (hd, seq, heads, batch), the N-major B operand of O = P V.
         mQt = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
         mKt = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
         mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
@@ -316,8 +313,8 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
             stream=stream,
             cluster=[self.cluster_size, 1, 1] if self.cluster_size > 1 else None,
             min_blocks_per_mp=self.ctas_per_sm,
-            # All of the unified L1 as shared memory; also spares the DSL a
-            # device query for it (there is no GPU where this compiles).
+            # All of the unified L1 as shared memory; also spares the DSL a device query for it (there is no
+            # GPU where this compiles).
             preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None,
         )
 
@@ -391,11 +388,10 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
             paged = PagedProblem(batch, mQLens, mKVLens, mPageTable, split_pages, mK.shape[0],
                                  seqlen_q, diag_offset)
             seqlen_k, diag_offset = paged.split_keys, paged.diag_offset
-        # The grid's rows beyond seqlen_q (a partial tile, a cluster's rounding) go before
-        # row 0, in whole 64-row warpgroup tiles: there every mask leaves the fewest keys,
-        # whereas past the end a causal mask would leave the most (hd64's 192-row tiles at
-        # seq 4096 would spend 6% of the causal work on 128 rows that do not exist).
-        # Warpgroup tiles before row 0 load a clamped Q tile and store nothing.
+        # The grid's rows beyond seqlen_q (a partial tile, a cluster's rounding) go before row 0, in whole
+        # 64-row warpgroup tiles: there every mask leaves the fewest keys, whereas past the end a causal mask
+        # would leave the most (hd64's 192-row tiles at seq 4096 would spend 6% of the causal work on 128 rows
+        # that do not exist). Warpgroup tiles before row 0 load a clamped Q tile and store nothing.
         lead_tiles = m_blocks * self.consumers - cute.ceil_div(seqlen_q, WG_ROWS)
         wg_tile0 = m_block * self.consumers - lead_tiles
         m_start = wg_tile0 * WG_ROWS
@@ -406,8 +402,8 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
             kv_len = cutlass.max(cutlass.min(mKVLens[batch], seqlen_k), 0)
 
         # ---- KV tile range of the whole CTA (of the cluster) -----------------
-        # The CTAs of a cluster walk the same KV tiles: the range of all their
-        # rows (the same for each row without a window).
+        # The CTAs of a cluster walk the same KV tiles: the range of all their rows (the same for each row
+        # without a window).
         cluster_start = m_start - m_block % self.cluster_size * self.tile_m
         first_row = cutlass.max(cluster_start, 0)
         last_row = cutlass.min(cluster_start + self.cluster_size * self.tile_m, q_len) - 1
@@ -439,9 +435,8 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # With an FP8 cache each producer warp fills a share of a K / V stage and arrives once.
         kv_producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, CONVERT_WARPS if self.fp8_cache else 1)
-        # Consumers release a stage with one arrive per warp, and a K / V
-        # stage with one per warp of every CTA of the cluster (each CTA's
-        # producer writes into all of them).
+        # Consumers release a stage with one arrive per warp, and a K / V stage with one per warp of every CTA
+        # of the cluster (each CTA's producer writes into all of them).
         kv_consumer_group = pipeline.CooperativeGroup(
             pipeline.Agent.Thread, 4 * self.consumers * self.cluster_size
         )
@@ -537,12 +532,11 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
         tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
         acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((WG_ROWS, self.head_dim_v)))
         acc_O.fill(0.0)
-        # Partitioned before any GEMM: the ACCUMULATE flag set on the tiled
-        # MMAs inside the loops must not leak into later uses.
+        # Partitioned before any GEMM: the ACCUMULATE flag set on the tiled MMAs inside the loops must not
+        # leak into later uses.
         sO_wg = sO[None, None, wg]
         tOsO = thr_pv.partition_C(sO_wg)
-        # O starts at zero and every PV GEMM accumulates; set once, outside
-        # all staged control flow.
+        # O starts at zero and every PV GEMM accumulates; set once, outside all staged control flow.
         tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
         acc_S_shape = thr_qk.partition_shape_C((WG_ROWS, tile_n))
         acc_O_mn = wgmma_acc_as_rows_cols(acc_O)
@@ -555,8 +549,8 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
         row_sum = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         row_max.fill(-cutlass.Float32.inf)
         row_sum.fill(0.0)
-        # What O must be scaled by before the next PV GEMM: the online softmax
-        # of tile j sets it, iteration j + 1 applies it (while its S GEMM runs).
+        # What O must be scaled by before the next PV GEMM: the online softmax of tile j sets it, iteration j
+        # + 1 applies it (while its S GEMM runs).
         factor = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         row_seg = None
         if cutlass.const_expr(self.has_segments):
