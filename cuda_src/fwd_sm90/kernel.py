@@ -53,7 +53,7 @@ from .kv_producer import WG_ROWS, KVProducer
 from .online_softmax import online_softmax, rescale_rows
 from .output_tile import store_output_tile
 from .paged_kv import PAGE_BOX, PagedCall, PagedProblem, produce_paged, slab_layouts
-from .paged_fp8 import CONVERT_WARPS, PRODUCER_REGS as CONVERTER_REGS, Fp8Cache
+from .paged_fp8 import CONVERT_WARPGROUPS, CONVERT_WARPS, PRODUCER_REGS as CONVERTER_REGS, Fp8Cache
 from .score_mask import mask_tile, unseen_leading_tiles
 from .segment_ids import warp_bounds_union
 from .fp8_operands import FP8, p_fragments
@@ -111,6 +111,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
         default_n, default_stages, default_consumers, *fp8_stages = tiles[head_dim, head_dim_v]
         self.fp8_stages = fp8_stages[0] if fp8_cache else 0
         self.producer_regs = CONVERTER_REGS if fp8_cache else PRODUCER_REGS
+        self.producers = CONVERT_WARPGROUPS if fp8_cache else 1  # warpgroups before the consumers
         self.tile_n = tile_n or default_n
         self.kv_stages = kv_stages or default_stages
         self.conditional_rescale = conditional_rescale
@@ -164,8 +165,8 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
         """The consumers' setmaxnreg share of 64K registers (multiple of 8).
         A CTA's launch allocation is a multiple of 8 registers per thread
         (80, not 85, at three CTAs of two warpgroups per SM)."""
-        per_thread = 65536 // self.ctas_per_sm // (WG_THREADS * (1 + self.consumers)) // 8 * 8
-        spare = per_thread * (1 + self.consumers) - self.producer_regs
+        per_thread = 65536 // self.ctas_per_sm // (WG_THREADS * (self.producers + self.consumers)) // 8 * 8
+        spare = (per_thread - self.producer_regs) * self.producers + per_thread * self.consumers
         return min(240, spare // self.consumers // 8 * 8)
 
     @staticmethod
@@ -309,7 +310,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(
             grid=grid,
-            block=[WG_THREADS * (1 + self.consumers), 1, 1],
+            block=[WG_THREADS * (self.producers + self.consumers), 1, 1],
             stream=stream,
             cluster=[self.cluster_size, 1, 1] if self.cluster_size > 1 else None,
             min_blocks_per_mp=self.ctas_per_sm,
@@ -468,7 +469,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
         else:
             cute.arch.sync_threads()
 
-        if wg_idx == 0:
+        if wg_idx < self.producers:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if cutlass.const_expr(self.fp8_cache):
                 self._produce_fp8_cache(tma_q, mQ, sQ, pipe_q, (tma_k, mK, tma_v, mV, tma_ks, mKS, tma_vs, mVS),
@@ -500,7 +501,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
                 if mSinks.shape[2] > 0:
                     sink = mSinks[batch, head_q, 0]
             self._consume(
-                tidx % WG_THREADS, wg_idx - 1, tma_o, mO, mLSE, sQ, sK, sV, sO,
+                tidx % WG_THREADS, wg_idx - self.producers, tma_o, mO, mLSE, sQ, sK, sV, sO,
                 pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
                 scale_log2, softcap_in, diag_offset, window_left, window_right,
                 head_q, batch, wg_tile0, q_len, kv_len, n_block_min, n_block_max,

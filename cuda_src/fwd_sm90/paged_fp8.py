@@ -3,19 +3,18 @@ paged_kv=True and fp8_cache=True; docs/fp8.md).
 
 The pages hold float8_e4m3fn codes in the bf16 cache's layout and a float32
 scale per token and kv head ([num_pages, heads_kv, page_size]). The
-consumer warpgroups run the 16-bit paged kernel unchanged; the producer
-warpgroup turns the cache into their 16-bit K / V stages:
+consumer warpgroups run the 16-bit paged kernel unchanged; two producer
+warpgroups turn the cache into their 16-bit K / V stages:
 
 * warp 0 streams each tile's codes and scales with TMA (PAGE_BOX keys from
   each page, as paged_kv does) into FP8 stages of their own, several tiles
   ahead, since a tile carries half the bytes of a 16-bit one;
-* all four warps dequantise a landed tile, value = code x scale rounded to
+* all eight warps dequantise a landed tile, value = code x scale rounded to
   Q's dtype, straight into the consumers' swizzled stage, then arrive on
   its barrier (one arrive per warp).
 
-A decode step is memory-bound: the consumers wait for bytes either way, and
-the conversion (about three instructions per value on the producer's
-warps) runs while later tiles are in flight.
+The conversion (about three instructions per value) bounds a decode step,
+so two warpgroups share it (docs/fp8.md has the measurements).
 """
 
 import cuda.bindings.driver as cuda
@@ -32,14 +31,15 @@ from .kv_producer import WG_ROWS
 from .paged_kv import PAGE_BOX, load_query_rows, page_of_box
 
 FP8 = cutlass.Float8E4M3FN
-CONVERT_WARPS = 4  # the producer warpgroup
+CONVERT_WARPGROUPS = 2  # decode 0.70x the bf16 cache's; one 0.48x, three (640 threads) 0.65x
+CONVERT_WARPS = 4 * CONVERT_WARPGROUPS
 CONVERT_THREADS = 32 * CONVERT_WARPS
 VECTOR = 8  # values per conversion step: 8 bytes of codes, 16 of output
 SCALE_BOX = 32  # floats between the FP8 stages' boxes of PAGE_BOX scales (128 bytes)
 LOADS_IN_FLIGHT = 4  # conversion steps loaded before any is converted (registers: PRODUCER_REGS)
-# The producer warpgroup's setmaxnreg share (the consumers give the rest
-# up, kernel.consumer_registers): two steps of eight values in flight.
-PRODUCER_REGS = 64
+# The producer warpgroups' setmaxnreg share: 2 x 128 x 96 + 2 x 128 x 160
+# (the consumers, kernel.consumer_registers) == 64K.
+PRODUCER_REGS = 96
 
 
 def staging_layouts(tile_n: int, head_dim: int, head_dim_v: int, stages: int):
@@ -144,7 +144,7 @@ def produce_paged_fp8(
     consumers: cutlass.Constexpr, kv_stages: cutlass.Constexpr, fp8_stages: cutlass.Constexpr,
     tile_n: cutlass.Constexpr, wg_rows: cutlass.Constexpr, bf16: cutlass.Constexpr,
 ):
-    """The producer warpgroup of the FP8-cache kernel (module docstring).
+    """The producer warpgroups of the FP8-cache kernel (module docstring).
     cache: (tma, tensor) of K codes, V codes, K scales, V scales; staging:
     their shared-memory stages and the codes' byte addresses; k_layout /
     v_layout and bases: the 16-bit K / V stages' layouts (unswizzled) and
@@ -257,7 +257,7 @@ class Fp8Cache:
         return [part for atom in atoms for part in atom]
 
     def _fp8_pipeline(self, storage, producer_group):
-        """The FP8 stages' pipeline: warp 0's TMA fills them, the four
+        """The FP8 stages' pipeline: warp 0's TMA fills them, the eight
         producer warps (one arrive each) empty them."""
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_8.data_ptr(), num_stages=self.fp8_stages,
@@ -270,7 +270,7 @@ class Fp8Cache:
     def _produce_fp8_cache(self, tma_q, mQ, sQ, pipe_q, cache, storage, sK_layout, sV_layout, pipe_k, pipe_v,
                            pipe8, mPageTable, paged, head_q, head_kv, wg_tile0, n_block_max, num_n_blocks,
                            tidx):
-        """The producer warpgroup's work (produce_paged_fp8) with this
+        """The producer warpgroups' work (produce_paged_fp8) with this
         kernel's tiles; cache: the flat TMA atoms and tensors of
         _fp8_cache_atoms."""
         tma_k, mK, tma_v, mV, tma_ks, mKS, tma_vs, mVS = cache
