@@ -153,9 +153,8 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
               window_right=visible.window_right)
   if implementation == "xla":
     attend = functools.partial(paged_attention_reference, **mask)
-  elif fp8_cache:  # the Hopper kernel serves it (above); the call is not partitioned
-    attend = functools.partial(_paged_kernel, split_keys=shapes["split_keys"], partitioned=False,
-                               **mask)
+  elif fp8_cache:  # the Hopper kernel serves it (above)
+    attend = functools.partial(_paged_fp8_kernel, split_keys=shapes["split_keys"], **mask)
   else:
     reasons = {"cpu": _kernel_unavailable_reason("cpu", q, shapes),
                "cuda": (_kernel_unavailable_reason("gpu", q, shapes) if platform == "gpu" else
@@ -167,7 +166,9 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
     attend = functools.partial(_per_platform, implementation=implementation, reasons=reasons,
                                split_keys=shapes["split_keys"], **mask)
   if fp8_cache:
-    out, lse = attend(q, k_pages, v_pages, page_table, cache_lengths, query_lengths)
+    out, lse = sharding.on_explicit_mesh(
+        attend, q, (k_pages.values, v_pages.values, k_pages.scales, v_pages.scales), page_table,
+        cache_lengths, query_lengths, fp8_scales=True)
   else:
     out, lse = sharding.on_explicit_mesh(attend, q, (k_pages, v_pages), page_table,
                                          cache_lengths, query_lengths)
@@ -262,10 +263,11 @@ def _fp8_kernel_unavailable_reason(q, k_pages, v_pages, implementation) -> str |
 
 
 def _paged_attention_fp8(q, k_pages, v_pages, page_table, cache_lengths, *, query_lengths,
-                         implementation, **kwargs):
+                         implementation, sinks, return_lse, **kwargs):
   """paged_attention on ``Fp8Pages``: each sequence's pages gathered and
   dequantised to float32, then the float32 call (the CPU kernel on a CPU,
-  the XLA composition elsewhere); out in q's dtype."""
+  the XLA composition elsewhere); out in q's dtype. Sharded, each device
+  gathers its own sequences' pages of its own kv heads."""
   for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
     paged_fp8.check_pages(name, pages)
   if jnp.ndim(q) != 4:
@@ -283,15 +285,35 @@ def _paged_attention_fp8(q, k_pages, v_pages, page_table, cache_lengths, *, quer
   if page_size % _PAGE_ALIGN or not _PAGE_ALIGN <= page_size <= _MAX_PAGE_SIZE:
     raise ValueError(f"page_size must be a multiple of {_PAGE_ALIGN} from {_PAGE_ALIGN} to "
                      f"{_MAX_PAGE_SIZE}, got {page_size}")
-  _check_table(page_table, cache_lengths, query_lengths, *jnp.shape(q)[:2], num_pages, page_size)
-  page_table = jnp.asarray(page_table, jnp.int32)
-  result = paged_attention(
-      jnp.asarray(q, jnp.float32), paged_fp8.gather_dequantized(k_pages, page_table),
-      paged_fp8.gather_dequantized(v_pages, page_table), paged_fp8.own_pages_table(page_table),
-      cache_lengths, query_lengths=query_lengths, implementation=implementation, **kwargs)
-  if kwargs["return_lse"]:
-    return result[0].astype(dtype), result[1]
-  return result.astype(dtype)
+  batch, max_new = jnp.shape(q)[:2]
+  _check_table(page_table, cache_lengths, query_lengths, batch, max_new, num_pages, page_size)
+  sinks = validation.check_sinks(sinks, jnp.shape(q)[2])
+  if query_lengths is None:
+    query_lengths = jnp.full((batch,), max_new, jnp.int32)
+  query_lengths = jnp.asarray(query_lengths, jnp.int32)
+
+  def per_shard(q, k_codes, v_codes, k_scales, v_scales, table, q_lens, kv_lens):
+    return paged_attention(
+        jnp.asarray(q, jnp.float32),
+        paged_fp8.gather_dequantized(paged_fp8.Fp8Pages(k_codes, k_scales), table),
+        paged_fp8.gather_dequantized(paged_fp8.Fp8Pages(v_codes, v_scales), table),
+        paged_fp8.own_pages_table(table), kv_lens, query_lengths=q_lens,
+        implementation=implementation, return_lse=True, **kwargs)
+
+  partitioned = sharding.paged_partitioned(per_shard, 1, fp8_scales=True)
+
+  def attend(q, k_codes, v_codes, k_scales, v_scales, table, kv_lens, q_lens):
+    return partitioned(q, k_codes, v_codes, k_scales, v_scales, table, q_lens, kv_lens)
+
+  out, lse = sharding.on_explicit_mesh(
+      attend, q, (k_pages.values, v_pages.values, k_pages.scales, v_pages.scales),
+      jnp.asarray(page_table, jnp.int32), jnp.asarray(cache_lengths, jnp.int32),
+      query_lengths, fp8_scales=True)
+  out = out.astype(dtype)
+  if sinks is not None:
+    padding = jnp.arange(max_new)[None, None, :] >= query_lengths[:, None, None]
+    out, lse = add_sinks(out, jnp.where(padding, -jnp.inf, lse), sinks)
+  return (out, lse) if return_lse else out
 
 
 def paged_attention_reference(q, k_pages, v_pages, page_table, cache_lengths, query_lengths, *,
@@ -378,16 +400,21 @@ def _halving_sum(x):
   return x[:, 0]
 
 
+def _paged_fp8_kernel(q, k_codes, v_codes, k_scales, v_scales, page_table, cache_lengths,
+                      query_lengths, **kwargs):
+  """Hopper's FP8-cache kernel (_paged_kernel's on the pools' four arrays)."""
+  return _paged_kernel(q, k_codes, v_codes, page_table, cache_lengths, query_lengths,
+                       scales=(k_scales, v_scales), **kwargs)
+
+
 def _paged_kernel(q, k_pages, v_pages, page_table, cache_lengths, query_lengths, *, scale,
-                  softcap, window_left, window_right, split_keys, partitioned=True):
+                  softcap, window_left, window_right, split_keys, partitioned=True, scales=()):
   """The GPU kernel (Hopper's or the sm80 family's: the CUDA handler picks;
-  Hopper's FP8-cache kernel for ``Fp8Pages``); ``partitioned=False`` where
-  the caller is itself partitioned per shard (kv_split.py, inside
-  attention's kernel call)."""
-  target, scales = _PAGED_TARGET, ()
-  if isinstance(k_pages, paged_fp8.Fp8Pages):
-    target, scales = paged_fp8.KERNEL_TARGET, (k_pages.scales, v_pages.scales)
-    k_pages, v_pages = k_pages.values, v_pages.values
+  Hopper's FP8-cache kernel where ``scales``, the FP8 cache's (k, v), are
+  given with its codes as the pools); ``partitioned=False`` where the caller
+  is itself partitioned per shard (kv_split.py, inside attention's kernel
+  call)."""
+  target = paged_fp8.KERNEL_TARGET if scales else _PAGED_TARGET
   batch, max_new, heads_q, _ = q.shape
   page_size, heads_kv = k_pages.shape[1], k_pages.shape[2]
   split_pages = split_keys // page_size
@@ -403,11 +430,10 @@ def _paged_kernel(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
     q_lens = query_lengths * group
     window_right = -1
   kernel = functools.partial(_ffi_call, target, split_pages=split_pages, scale=scale,
-                             softcap=softcap, window_left=window_left, window_right=window_right,
-                             scales=scales)
+                             softcap=softcap, window_left=window_left, window_right=window_right)
   if partitioned:
-    kernel = sharding.paged_partitioned(kernel, splits)
-  out, lse = kernel(rows, k_pages, v_pages, table, q_lens, cache_lengths)
+    kernel = sharding.paged_partitioned(kernel, splits, fp8_scales=bool(scales))
+  out, lse = kernel(rows, k_pages, v_pages, *scales, table, q_lens, cache_lengths)
   out, lse = merge_splits(out.reshape(batch, splits, *out.shape[1:]),
                           lse.reshape(batch, splits, *lse.shape[1:]))
   if packed:
@@ -419,11 +445,13 @@ def _paged_kernel(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
   return jnp.where(padding, jnp.zeros((), out.dtype), out), lse
 
 
-def _ffi_call(target, rows, k_pages, v_pages, table, q_lens, kv_lens, *, split_pages, scale,
-              softcap, window_left, window_right, scales=()):
+def _ffi_call(target, rows, k_pages, v_pages, *operands, split_pages, scale, softcap,
+              window_left, window_right):
   """One paged kernel call on (the local shards of) its operands: out
   ``[batch * splits, T, H, Dv]`` and lse ``[batch * splits, H, T]``;
-  ``scales``: an FP8 cache's (k, v)."""
+  ``operands``: (table, q_lens, kv_lens), after an FP8 cache's (k, v)
+  scales."""
+  *scales, table, q_lens, kv_lens = operands
   batch, seq_rows, heads, _ = rows.shape
   splits = table.shape[1] // split_pages
   out_types = (

@@ -222,16 +222,18 @@ backward = _sharded(_backward, cotangents=True)
 # [B]) and return out [B * splits, T, H, Dv] and lse [B * splits, H, T] (the
 # GPU kernels' per-split partials; one split on the CPU). Sequences shard with
 # their table rows. Paged attention's pools are k_pages [P, S, Hkv, D] and
-# v_pages [P, S, Hkv, Dv], whose heads shard with their query heads; MLA's
+# v_pages [P, S, Hkv, Dv], whose heads shard with their query heads (an FP8
+# cache's, ``fp8_scales``: then also k_scales and v_scales [P, Hkv, S]); MLA's
 # (``pool_ranks`` given: one cache array or the FP8 cache's three) hold one
 # row per token for every head and are replicated. The pools are never cut by
 # pages, so each device reads the pages of its own heads, with no
 # communication.
 
-def _paged_specs(rows_spec, axis_sizes, heads_kv: int, pool_ranks=None):
+def _paged_specs(rows_spec, axis_sizes, heads_kv: int, pool_ranks=None, fp8_scales=False):
   """(spec of each operand, spec of each result) for rows sharded as
   ``rows_spec``, or NotImplementedError; ``pool_ranks``: the ranks of
-  replicated pools (MLA), else paged attention's k_pages and v_pages."""
+  replicated pools (MLA), else paged attention's k_pages and v_pages (and
+  with ``fp8_scales`` their scales)."""
   name = "paged attention" if pool_ranks is None else "mla_decode"
   if rows_spec[1] is not None or rows_spec[3] is not None:
     raise NotImplementedError(
@@ -245,12 +247,12 @@ def _paged_specs(rows_spec, axis_sizes, heads_kv: int, pool_ranks=None):
         f"paged attention: the heads are sharded {shards} ways ({heads!r}), which splits GQA "
         f"groups of heads_kv={heads_kv} kv heads; shard heads over a divisor of heads_kv")
   else:
-    pools = (P(None, None, heads, None),) * 2
+    pools = (P(None, None, heads, None),) * 2 + (P(None, heads, None),) * (2 if fp8_scales else 0)
   operands = (P(batch, None, heads, None), *pools, P(batch, None), P(batch), P(batch))
   return operands, (P(batch, None, heads, None), P(batch, heads, None))
 
 
-def _paged_rule(rows, pools, splits: int, pool_ranks):
+def _paged_rule(rows, pools, splits: int, pool_ranks, fp8_scales=False):
   """The Shardy rule of a paged kernel call (see paged_partitioned) for rows
   and the first pool of these types: the heads factor and its sizes."""
   lead = "(b x)" if splits > 1 else "b"
@@ -258,7 +260,7 @@ def _paged_rule(rows, pools, splits: int, pool_ranks):
   if pool_ranks is None:
     group = rows.shape[2] // pools.shape[2]
     heads = "(k g)" if group > 1 else "k"
-    pool_factors = "p s k d, p s k e"
+    pool_factors = "p s k d, p s k e" + (", p k s, p k s" if fp8_scales else "")
     sizes.update({"g": group} if group > 1 else {})
   else:  # replicated pools: their columns are factors of their own
     heads = "h"
@@ -269,10 +271,11 @@ def _paged_rule(rows, pools, splits: int, pool_ranks):
   return spec, sizes
 
 
-def paged_partitioned(kernel, splits: int, pool_ranks=None):
+def paged_partitioned(kernel, splits: int, pool_ranks=None, fp8_scales=False):
   """``kernel(rows, *pools, page_table, q_lens, kv_lens)`` made to run per
   shard under ``jit`` with Auto mesh axes (``custom_partitioning``) and, as
-  it is, inside ``shard_map``; ``pool_ranks``: see _paged_specs."""
+  it is, inside ``shard_map``; ``pool_ranks``, ``fp8_scales``: see
+  _paged_specs."""
 
   @custom_partitioning
   def run(*args):
@@ -281,26 +284,27 @@ def paged_partitioned(kernel, splits: int, pool_ranks=None):
   def partition(mesh, arg_shapes, result_shapes):
     operands, results = _paged_specs(_spec(arg_shapes[0].sharding, 4), dict(mesh.shape),
                                      arg_shapes[1].shape[2] if pool_ranks is None else 1,
-                                     pool_ranks)
+                                     pool_ranks, fp8_scales)
     named = lambda specs: tuple(NamedSharding(mesh, s) for s in specs)
     return mesh, kernel, named(results), named(operands)
 
   def rule(mesh, value_types, result_types):
     del mesh, result_types
     rows, pools = (mlir.ir.RankedTensorType(t) for t in value_types[:2])
-    return _paged_rule(rows, pools, splits, pool_ranks)
+    return _paged_rule(rows, pools, splits, pool_ranks, fp8_scales)
 
   run.def_partition(partition, sharding_rule=rule)
   return lambda *args: match_varying(run(*args), args)
 
 
 def on_explicit_mesh(attend, q, pools, page_table, cache_lengths, query_lengths,
-                     replicated_pools: bool = False):
+                     replicated_pools: bool = False, fp8_scales: bool = False):
   """``attend(q, *pools, page_table, cache_lengths, query_lengths)`` ->
   (out, lse); on arrays sharded over Explicit mesh axes it runs under
   ``shard_map`` on each device's shard (the sharding is in the arrays' types,
   which the whole computation must then respect), elsewhere as it is.
-  ``pools``: paged attention's (k_pages, v_pages), or with
+  ``pools``: paged attention's (k_pages, v_pages), with ``fp8_scales`` an
+  FP8 cache's (k codes, v codes, k scales, v scales), or with
   ``replicated_pools`` MLA's cache arrays."""
   args = (q, *pools, page_table, query_lengths, cache_lengths)
   mesh = jax.typeof(q).sharding.mesh
@@ -311,7 +315,7 @@ def on_explicit_mesh(attend, q, pools, page_table, cache_lengths, query_lengths,
     return attend(q, *pools, page_table, cache_lengths, query_lengths)
   operands, results = _paged_specs(
       q_spec, dict(mesh.shape), 1 if replicated_pools else pools[0].shape[2],
-      tuple(jnp.ndim(p) for p in pools) if replicated_pools else None)
+      tuple(jnp.ndim(p) for p in pools) if replicated_pools else None, fp8_scales)
 
   def local(*arrays):
     *head, table, q_lens, kv_lens = arrays

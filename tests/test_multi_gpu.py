@@ -117,9 +117,10 @@ def test_deterministic_ring_repeats_bitwise():
 
 
 def _replicated_but(mesh, inputs, sharded: dict):
-  """inputs placed on the mesh: the names in `sharded` with their spec, the
-  rest replicated."""
-  return {name: jax.device_put(x, NamedSharding(mesh, sharded.get(name, P())))
+  """inputs placed on the mesh: the names in `sharded` with their spec (a
+  pytree of specs for a pytree such as Fp8Pages), the rest replicated."""
+  return {name: jax.device_put(x, jax.tree.map(lambda s: NamedSharding(mesh, s),
+                                               sharded.get(name, P())))
           for name, x in inputs.items()}
 
 
@@ -142,22 +143,35 @@ def test_mla_heads_over_gpus(fp8):
     np.testing.assert_array_equal(lse[:, own], want_lse)
 
 
-def test_paged_kv_heads_over_gpus():
-  """The paged call with its heads and its pool's kv heads split over every
-  GPU under plain jit (tensor-parallel serving): no collective, and the
-  float64 reference's numbers within the kernel's tolerance."""
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_paged_kv_heads_over_gpus(fp8):
+  """The paged call with its heads and its pool's kv heads (an FP8 pool's
+  scales with them) split over every GPU under plain jit (tensor-parallel
+  serving): no collective, and the float64 reference's numbers within the
+  kernel's tolerance (an FP8 cache: bitwise the unsharded call's)."""
   from test_paged import assert_matches_float64, make_batch
+  from jax_flash import _paged_fp8 as paged_fp8
   mesh = gpu_mesh("tp")
   n = mesh.shape["tp"]
   inputs, keys, values = make_batch(11, [300, 17], [1, 5], page_size=64, heads_q=4 * n,
                                     heads_kv=n, head_dim=128, dtype=DTYPE)
-  heads = P(None, None, "tp")
-  placed = _replicated_but(mesh, inputs, {"q": heads, "k_pages": heads, "v_pages": heads})
+  heads = pool = P(None, None, "tp")
+  if fp8:
+    for name in ("k_pages", "v_pages"):
+      codes, scales = paged_fp8.quantize_tokens(inputs[name])
+      inputs[name] = paged_fp8.Fp8Pages(codes, jnp.swapaxes(scales, 1, 2))
+    pool = paged_fp8.Fp8Pages(heads, P(None, "tp"))
+  placed = _replicated_but(mesh, inputs, {"q": heads, "k_pages": pool, "v_pages": pool})
   attend = jax.jit(lambda inputs: jax_flash.paged_attention(
       **inputs, return_lse=True, implementation="flash"))
   out, lse = attend(placed)
   assert_sharded(out, mesh, heads)
   hlo = attend.lower(placed).compile().as_text()
   assert not [c for c in COLLECTIVES if c in hlo], "heads sharding must not communicate"
+  if fp8:
+    want_out, want_lse = attend(inputs)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+    return
   got = [np.asarray(x.astype(jnp.float32), np.float64) for x in (out, lse)]
   assert_matches_float64(got, inputs, keys, values, DTYPE, f"over {n} GPUs")

@@ -12,6 +12,7 @@ import pytest
 import jax_flash
 import numerics
 from jax_flash import _paged as paged
+from jax_flash import _paged_fp8 as paged_fp8
 
 
 def make_batch(seed, cache_lengths, query_lengths, *, page_size, heads_q=8, heads_kv=2,
@@ -614,11 +615,13 @@ def test_tensor_parallel_over_kv_heads():
                              atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("cache", ["bfloat16", "fp8"])
 @pytest.mark.parametrize("axes", ["auto", "explicit"])
-def test_sharded_under_jit(axes):
-  """Heads (with their kv heads' slice of the pool) and sequences (with their
-  table rows) sharded under plain ``jit``: each device runs the kernel on its
-  shard, with no collective, bitwise the unsharded result."""
+def test_sharded_under_jit(axes, cache):
+  """Heads (with their kv heads' slice of the pool, and of an FP8 pool's
+  scales) and sequences (with their table rows) sharded under plain ``jit``:
+  each device runs the kernel on its shard, with no collective, bitwise the
+  unsharded result."""
   from jax.sharding import AxisType, NamedSharding
   from jax.sharding import PartitionSpec as P
   # 8 virtual CPU devices, or the GPUs of a 2-GPU machine (in bfloat16 at
@@ -631,9 +634,15 @@ def test_sharded_under_jit(axes):
                        devices=jax.devices()[:shape[0] * shape[1]])
   inputs, _, _ = make_batch(12, [300, 17, 64, 1], [1, 5, 2, 1], page_size=16, heads_q=8,
                             heads_kv=4, head_dim=64, dtype=jnp.bfloat16)
-  specs = (P("dp", None, "tp"), P(None, None, "tp"), P(None, None, "tp"), P("dp"), P("dp"),
-           P("dp"))
-  placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(inputs.values(), specs)]
+  pool = P(None, None, "tp")
+  if cache == "fp8":
+    for name in ("k_pages", "v_pages"):
+      codes, scales = paged_fp8.quantize_tokens(inputs[name])
+      inputs[name] = paged_fp8.Fp8Pages(codes, jnp.swapaxes(scales, 1, 2))
+    pool = paged_fp8.Fp8Pages(pool, P(None, "tp"))
+  specs = (P("dp", None, "tp"), pool, pool, P("dp"), P("dp"), P("dp"))
+  placed = [jax.device_put(x, jax.tree.map(lambda s: NamedSharding(mesh, s), s))
+            for x, s in zip(inputs.values(), specs)]
   attend = jax.jit(lambda q, k, v, t, n, m: jax_flash.paged_attention(
       q, k, v, t, n, query_lengths=m, return_lse=True))
   out, lse = attend(*placed)
@@ -646,10 +655,13 @@ def test_sharded_under_jit(axes):
               if c in compiled]
 
 
-def test_partitioning_of_split_outputs():
+@pytest.mark.parametrize("fp8_scales", [False, True])
+def test_partitioning_of_split_outputs(fp8_scales):
   """The GPU kernel's outputs hold batch x splits rows (sharding.py's rule
   "(b x)"): a stand-in kernel with three splits partitions over batch and
-  heads like the real one, without collectives."""
+  heads like the real one, without collectives; an FP8 cache's scales
+  [P, Hkv, S] shard with their kv heads (each head's output adds its kv
+  head's first scale)."""
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
   from jax_flash import _sharding as sharding
@@ -657,21 +669,31 @@ def test_partitioning_of_split_outputs():
     pytest.skip(f"needs 8 devices, {jax.default_backend()} has {len(jax.devices())}")
   splits = 3
 
-  def stand_in(rows, k_pages, v_pages, table, q_lens, kv_lens):
+  def stand_in(rows, k_pages, v_pages, *operands):
     # Reads every operand; split s of sequence b holds rows[b] + s.
+    *scales, table, q_lens, kv_lens = operands
     offset = (jnp.sum(k_pages) + jnp.sum(v_pages) + jnp.sum(table) + jnp.sum(q_lens + kv_lens)) * 0
     out = (rows[:, None] + jnp.arange(splits, dtype=rows.dtype)[:, None, None, None] + offset)
+    if scales:
+      per_head = jnp.repeat(scales[0][0, :, 0], rows.shape[2] // k_pages.shape[2])
+      out = out + (per_head[:, None] + jnp.sum(scales[1]) * 0).astype(rows.dtype)
     out = out.reshape(-1, *rows.shape[1:])
     return out, jnp.swapaxes(out[..., 0], 1, 2).astype(jnp.float32)
 
   mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   inputs, _, _ = make_batch(13, [40, 17, 64, 1], [2, 2, 2, 2], page_size=16, heads_q=8,
                             heads_kv=4, head_dim=32)
-  args = [inputs[name] for name in ("q", "k_pages", "v_pages", "page_table")] + [
-      inputs["query_lengths"], inputs["cache_lengths"]]
-  specs = (P("dp", None, "tp"), P(None, None, "tp"), P(None, None, "tp"), P("dp"), P("dp"),
-           P("dp"))
-  run = jax.jit(sharding.paged_partitioned(stand_in, splits))
+  pools = [inputs["k_pages"], inputs["v_pages"]]
+  specs = [P("dp", None, "tp")] + [P(None, None, "tp")] * 2
+  if fp8_scales:
+    num_pages, page_size, heads_kv, _ = inputs["k_pages"].shape
+    scales = jax.random.uniform(jax.random.key(3), (2, num_pages, heads_kv, page_size))
+    pools += list(scales)
+    specs += [P(None, "tp")] * 2
+  args = [inputs["q"], *pools, inputs["page_table"], inputs["query_lengths"],
+          inputs["cache_lengths"]]
+  specs += [P("dp")] * 3
+  run = jax.jit(sharding.paged_partitioned(stand_in, splits, fp8_scales=fp8_scales))
   placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
   (out, lse), (want_out, want_lse) = run(*placed), stand_in(*args)
   for got, want in zip(run(*args), (want_out, want_lse)):  # unsharded, on one device
