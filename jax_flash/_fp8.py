@@ -74,6 +74,16 @@ def quantize_fp8(x, *, granularity: str = "head", block_size: int = 128):
   return jnp.where(jnp.isfinite(x), codes, jnp.nan).astype(FP8_DTYPE), descale
 
 
+def quantize_rows(x):
+  """``(codes, descale)`` for each row of the last axis of ``x`` as one
+  group of ``quantize_fp8``'s rule (the same codes and descales); descale
+  ``x.shape[:-1]``. No reshape, so a sharded ``x`` keeps its sharding."""
+  x = jnp.asarray(x, jnp.float32)
+  descale = _descale_of(jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0), axis=-1))
+  codes = jnp.clip(x * (1 / descale[..., None]), -FP8_MAX, FP8_MAX)
+  return jnp.where(jnp.isfinite(x), codes, jnp.nan).astype(FP8_DTYPE), descale
+
+
 def _descale_of(amax):
   """``amax * (1/448)``, or 1 where that is below float32's normal range
   (a zero group; else ``1 / descale`` could overflow, and 0 * Inf is NaN)."""

@@ -226,8 +226,12 @@ def write_paged_cache(k_pages, v_pages, k, v, page_table, cache_lengths, query_l
 
   def scatter(pool, new):
     flat = pool.reshape(num_pages * page_size, *pool.shape[2:])
+    # The pool keeps its sharding: with sequences sharded over an Explicit
+    # mesh axis that the pool is replicated over, every replica takes every
+    # sequence's tokens.
     flat = flat.at[rows.reshape(-1)].set(new.reshape(-1, *new.shape[2:]), mode="drop",
-                                         unique_indices=False)
+                                         unique_indices=False,
+                                         out_sharding=jax.typeof(flat).sharding)
     return flat.reshape(pool.shape)
 
   return scatter(k_pages, k), scatter(v_pages, v)

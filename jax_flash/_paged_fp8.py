@@ -12,6 +12,7 @@ gathered, dequantised to float32 and run through the float32 paged call
 import ctypes
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from jax_flash import _ffi as ffi
@@ -76,11 +77,7 @@ def quantize_tokens(x):
   """``(codes, scales)`` for new tokens ``x [batch, T, heads_kv, dim]``: per
   token and head, ``quantize_fp8``'s rule (NaN and Inf entries become NaN
   codes, outside the amax); scales ``[batch, T, heads_kv]``."""
-  x = jnp.asarray(x, jnp.float32)
-  batch, tokens, heads, dim = x.shape
-  # Each (token, head) row as one group of quantize_fp8's "head" granularity.
-  codes, scales = fp8.quantize_fp8(x.reshape(batch * tokens, 1, heads, dim), granularity="head")
-  return codes.reshape(x.shape), scales.reshape(batch, tokens, heads)
+  return fp8.quantize_rows(x)
 
 
 def check_pages(name: str, pages) -> None:
@@ -129,4 +126,4 @@ def write_scales(scales, new_scales, pages, slots):
   the pool drops the token."""
   heads = scales.shape[1]
   return scales.at[pages.reshape(-1), :, slots.reshape(-1)].set(
-      new_scales.reshape(-1, heads), mode="drop")
+      new_scales.reshape(-1, heads), mode="drop", out_sharding=jax.typeof(scales).sharding)

@@ -399,3 +399,40 @@ def test_ring_outside_shard_map_raises():
 def test_zigzag_indices_error():
   with pytest.raises(ValueError, match="seq_len 30 is not a multiple of 8"):
     jax_flash.to_zigzag(jnp.zeros((1, 30)), 4)
+
+
+@pytest.mark.parametrize("sequences", ["replicated", "sharded"])
+@pytest.mark.parametrize("cache", ["bfloat16", "fp8"])
+@pytest.mark.parametrize("axes", ["auto", "explicit"])
+def test_paged_cache_write_sharded(axes, cache, sequences):
+  """write_paged_cache on pools sharded over kv heads (an FP8 pool's scales
+  with them) under jit, Auto or Explicit mesh axes: the unsharded pools'
+  bits. With the sequences replicated (tensor-parallel serving) no
+  collective runs; sharded over the other axis, each replica of the pool
+  still takes every sequence's tokens."""
+  from jax.sharding import AxisType
+  from jax_flash import _paged_fp8 as paged_fp8
+  kind = AxisType.Auto if axes == "auto" else AxisType.Explicit
+  mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(kind, kind))
+  batch, new, heads_kv, dim, num_pages, page_size = 4, 3, 4, 64, 20, 16
+  rng = np.random.default_rng(5)
+  k, v = (jnp.asarray(rng.normal(size=(batch, new, heads_kv, dim)), DTYPE) for _ in range(2))
+  table = jnp.asarray(rng.permutation(num_pages)[:batch * 4].reshape(batch, 4), jnp.int32)
+  lengths = jnp.asarray([5, 17, 30, 3], jnp.int32)
+  pool_spec = P(None, None, "tp")
+  if cache == "fp8":
+    pools = (paged_fp8.Fp8Pages.zeros(num_pages, page_size, heads_kv, dim),) * 2
+    pool_spec = paged_fp8.Fp8Pages(pool_spec, P(None, "tp"))
+  else:
+    pools = (jnp.zeros((num_pages, page_size, heads_kv, dim), DTYPE),) * 2
+  rows = "dp" if sequences == "sharded" else None
+  specs = (pool_spec, pool_spec, P(rows, None, "tp"), P(rows, None, "tp"), P(rows), P(rows))
+  args = (*pools, k, v, table, lengths)
+  placed = [jax.device_put(x, jax.tree.map(lambda s: NamedSharding(mesh, s), s))
+            for x, s in zip(args, specs)]
+  write = jax.jit(jax_flash.write_paged_cache)
+  for got, want in zip(jax.tree.leaves(write(*placed)), jax.tree.leaves(write(*args))):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  if sequences == "replicated":
+    hlo = write.lower(*placed).compile().as_text()
+    assert not [c for c in COLLECTIVES if c in hlo], "a tensor-parallel write must not communicate"
