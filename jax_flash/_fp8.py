@@ -74,7 +74,7 @@ def quantize_fp8(x, *, granularity: str = "head", block_size: int = 128):
   return jnp.where(jnp.isfinite(x), codes, jnp.nan).astype(FP8_DTYPE), descale
 
 
-def quantize_rows(x):
+def quantize_fp8_rows(x):
   """``(codes, descale)`` for each row of the last axis of ``x`` as one
   group of ``quantize_fp8``'s rule (the same codes and descales); descale
   ``x.shape[:-1]``. No reshape, so a sharded ``x`` keeps its sharding."""

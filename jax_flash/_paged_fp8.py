@@ -77,7 +77,7 @@ def quantize_tokens(x):
   """``(codes, scales)`` for new tokens ``x [batch, T, heads_kv, dim]``: per
   token and head, ``quantize_fp8``'s rule (NaN and Inf entries become NaN
   codes, outside the amax); scales ``[batch, T, heads_kv]``."""
-  return fp8.quantize_rows(x)
+  return fp8.quantize_fp8_rows(x)
 
 
 def check_pages(name: str, pages) -> None:

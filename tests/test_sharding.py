@@ -436,3 +436,24 @@ def test_paged_cache_write_sharded(axes, cache, sequences):
   if sequences == "replicated":
     hlo = write.lower(*placed).compile().as_text()
     assert not [c for c in COLLECTIVES if c in hlo], "a tensor-parallel write must not communicate"
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("axes", ["auto", "explicit"])
+def test_mla_cache_write_sharded(axes, kv_dtype):
+  """write_mla_cache with the sequences sharded and the (replicated) cache
+  under jit, Auto or Explicit mesh axes: the unsharded cache's bits."""
+  from jax.sharding import AxisType
+  kind = AxisType.Auto if axes == "auto" else AxisType.Explicit
+  mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(kind, kind))
+  rng = np.random.default_rng(6)
+  cache = jax_flash.empty_mla_cache(12, jnp.dtype(kv_dtype))
+  latent = jnp.asarray(rng.normal(size=(4, 2, 576)), DTYPE)
+  table = jnp.asarray(rng.permutation(12)[:8].reshape(4, 2), jnp.int32)
+  lengths = jnp.asarray([5, 70, 30, 3], jnp.int32)
+  args = (cache, latent, table, lengths)
+  placed = [jax.device_put(x, jax.tree.map(lambda _, s=s: NamedSharding(mesh, s), x))
+            for x, s in zip(args, (P(), P("dp"), P("dp"), P("dp")))]
+  write = jax.jit(jax_flash.write_mla_cache)
+  for got, want in zip(jax.tree.leaves(write(*placed)), jax.tree.leaves(write(*args))):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
