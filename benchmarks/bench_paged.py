@@ -54,10 +54,7 @@ def paged_inputs(batch, seq, new, page_size, seed=0):
 
 def fp8_pools(k_pages, v_pages):
   """The pools as an FP8 cache: codes and scales per token and kv head."""
-  def quantized(pool):
-    codes, scales = jax_flash._paged_fp8.quantize_tokens(pool)
-    return jax_flash.Fp8Pages(codes, jnp.swapaxes(scales, 1, 2))
-  return quantized(k_pages), quantized(v_pages)
+  return jax_flash.Fp8Pages.quantize(k_pages), jax_flash.Fp8Pages.quantize(v_pages)
 
 
 def contiguous(pages, table):

@@ -70,8 +70,7 @@ def quantize_fp8(x, *, granularity: str = "head", block_size: int = 128):
       amax = jnp.broadcast_to(jnp.max(amax), (batch, heads))
     descale = _descale_of(amax)
   inverse = 1 / _per_row(descale, seq, block_size if granularity == "block" else None)
-  codes = jnp.clip(x * inverse, -FP8_MAX, FP8_MAX)
-  return jnp.where(jnp.isfinite(x), codes, jnp.nan).astype(FP8_DTYPE), descale
+  return _encode(x, inverse), descale
 
 
 def quantize_fp8_rows(x):
@@ -80,8 +79,14 @@ def quantize_fp8_rows(x):
   ``x.shape[:-1]``. No reshape, so a sharded ``x`` keeps its sharding."""
   x = jnp.asarray(x, jnp.float32)
   descale = _descale_of(jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0), axis=-1))
-  codes = jnp.clip(x * (1 / descale[..., None]), -FP8_MAX, FP8_MAX)
-  return jnp.where(jnp.isfinite(x), codes, jnp.nan).astype(FP8_DTYPE), descale
+  return _encode(x, 1 / descale[..., None]), descale
+
+
+def _encode(x, inverse):
+  """e4m3 codes of ``x * inverse``, saturated; NaN codes where ``x`` is NaN
+  or +-Inf."""
+  codes = jnp.clip(x * inverse, -FP8_MAX, FP8_MAX)
+  return jnp.where(jnp.isfinite(x), codes, jnp.nan).astype(FP8_DTYPE)
 
 
 def _descale_of(amax):

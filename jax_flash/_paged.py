@@ -172,9 +172,14 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_lengths, *, query_len
   else:
     out, lse = sharding.on_explicit_mesh(attend, q, (k_pages, v_pages), page_table,
                                          cache_lengths, query_lengths)
+  return _with_sinks(out, lse, query_lengths, sinks, return_lse)
+
+
+def _with_sinks(out, lse, query_lengths, sinks, return_lse):
+  """A paged call's result with its sinks folded in (``sinks`` None: none)."""
   if sinks is not None:
     # A padding row sees no key, whatever its query left in the kernel's lse.
-    padding = jnp.arange(max_new)[None, None, :] >= query_lengths[:, None, None]
+    padding = jnp.arange(out.shape[1])[None, None, :] >= query_lengths[:, None, None]
     out, lse = add_sinks(out, jnp.where(padding, -jnp.inf, lse), sinks)
   return (out, lse) if return_lse else out
 
@@ -313,11 +318,7 @@ def _paged_attention_fp8(q, k_pages, v_pages, page_table, cache_lengths, *, quer
       attend, q, (k_pages.values, v_pages.values, k_pages.scales, v_pages.scales),
       jnp.asarray(page_table, jnp.int32), jnp.asarray(cache_lengths, jnp.int32),
       query_lengths, fp8_scales=True)
-  out = out.astype(dtype)
-  if sinks is not None:
-    padding = jnp.arange(max_new)[None, None, :] >= query_lengths[:, None, None]
-    out, lse = add_sinks(out, jnp.where(padding, -jnp.inf, lse), sinks)
-  return (out, lse) if return_lse else out
+  return _with_sinks(out.astype(dtype), lse, query_lengths, sinks, return_lse)
 
 
 def paged_attention_reference(q, k_pages, v_pages, page_table, cache_lengths, query_lengths, *,

@@ -72,6 +72,14 @@ class Fp8Pages(NamedTuple):
     return cls(jnp.zeros((num_pages, page_size, heads_kv, head_dim), fp8.FP8_DTYPE),
                jnp.ones((num_pages, heads_kv, page_size), jnp.float32))
 
+  @classmethod
+  def quantize(cls, pages) -> "Fp8Pages":
+    """A pool of float pages ``[num_pages, page_size, heads_kv, dim]`` (a
+    16-bit cache, say) quantised per token and head, as
+    ``write_paged_cache`` quantises new tokens."""
+    codes, scales = quantize_tokens(pages)
+    return cls(codes, jnp.swapaxes(scales, 1, 2))
+
 
 def quantize_tokens(x):
   """``(codes, scales)`` for new tokens ``x [batch, T, heads_kv, dim]``: per

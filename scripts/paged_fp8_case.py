@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash
-from jax_flash import _paged_fp8 as paged_fp8
 
 for head_dim, page_size, new in ((64, 16, 1), (128, 64, 1), (128, 16, 37)):
   lengths = np.array([1, 300, 4100 + new], np.int32)
@@ -16,8 +15,7 @@ for head_dim, page_size, new in ((64, 16, 1), (128, 64, 1), (128, 16, 37)):
   pages = 3 * max_pages
   keys = jax.random.split(jax.random.key(head_dim + new), 3)
   pool = jax.random.normal(keys[0], (2, pages, page_size, 2, head_dim), jnp.float32)
-  k_pages, v_pages = (paged_fp8.Fp8Pages(codes, jnp.swapaxes(scales, 1, 2)) for codes, scales in
-                      map(paged_fp8.quantize_tokens, pool))
+  k_pages, v_pages = map(jax_flash.Fp8Pages.quantize, pool)
   table = np.random.default_rng(new).permutation(pages)[:3 * max_pages].reshape(3, max_pages)
   q = jax.random.normal(keys[2], (3, new, 8, head_dim), jnp.bfloat16)
   out = jax.jit(lambda q, k, v, t, n: jax_flash.paged_attention(

@@ -428,6 +428,22 @@ def test_write_fp8_cache_quantizes_and_places_tokens():
                                 np.swapaxes(np.asarray(old.scales), 1, 2)[~written])
 
 
+def test_fp8_pages_quantize_is_the_cache_write():
+  """Fp8Pages.quantize of a whole float pool: the bits write_paged_cache
+  leaves when it writes every token of every page into an empty pool."""
+  num_pages, page_size, heads_kv, dim = 3, 16, 2, 8
+  shape = (num_pages, page_size, heads_kv, dim)
+  pool = jax.random.normal(jax.random.key(4), shape) * jnp.logspace(-3, 3, dim)
+  empty = jax_flash.Fp8Pages.zeros(num_pages, page_size, heads_kv, dim)
+  table = jnp.arange(num_pages, dtype=jnp.int32)[:, None]  # sequence p owns page p
+  lengths = jnp.full((num_pages,), page_size, jnp.int32)
+  written, _ = jax_flash.write_paged_cache(empty, empty, pool, pool, table, lengths)
+  quantized = jax_flash.Fp8Pages.quantize(pool)
+  np.testing.assert_array_equal(np.asarray(quantized.values, np.float32),
+                                np.asarray(written.values, np.float32))
+  np.testing.assert_array_equal(quantized.scales, written.scales)
+
+
 def test_paged_fp8_errors():
   inputs, _, _ = fp8_batch(5, [20, 3], [1, 1], page_size=16)
   call = lambda **changes: jax_flash.paged_attention(**{**inputs, **changes})

@@ -150,7 +150,6 @@ def test_paged_kv_heads_over_gpus(fp8):
   serving): no collective, and the float64 reference's numbers within the
   kernel's tolerance (an FP8 cache: bitwise the unsharded call's)."""
   from test_paged import assert_matches_float64, make_batch
-  from jax_flash import _paged_fp8 as paged_fp8
   mesh = gpu_mesh("tp")
   n = mesh.shape["tp"]
   inputs, keys, values = make_batch(11, [300, 17], [1, 5], page_size=64, heads_q=4 * n,
@@ -158,9 +157,8 @@ def test_paged_kv_heads_over_gpus(fp8):
   heads = pool = P(None, None, "tp")
   if fp8:
     for name in ("k_pages", "v_pages"):
-      codes, scales = paged_fp8.quantize_tokens(inputs[name])
-      inputs[name] = paged_fp8.Fp8Pages(codes, jnp.swapaxes(scales, 1, 2))
-    pool = paged_fp8.Fp8Pages(heads, P(None, "tp"))
+      inputs[name] = jax_flash.Fp8Pages.quantize(inputs[name])
+    pool = jax_flash.Fp8Pages(heads, P(None, "tp"))
   placed = _replicated_but(mesh, inputs, {"q": heads, "k_pages": pool, "v_pages": pool})
   attend = jax.jit(lambda inputs: jax_flash.paged_attention(
       **inputs, return_lse=True, implementation="flash"))

@@ -12,7 +12,6 @@ import pytest
 import jax_flash
 import numerics
 from jax_flash import _paged as paged
-from jax_flash import _paged_fp8 as paged_fp8
 
 
 def make_batch(seed, cache_lengths, query_lengths, *, page_size, heads_q=8, heads_kv=2,
@@ -618,10 +617,9 @@ def test_tensor_parallel_over_kv_heads():
 @pytest.mark.parametrize("cache", ["bfloat16", "fp8"])
 @pytest.mark.parametrize("axes", ["auto", "explicit"])
 def test_sharded_under_jit(axes, cache):
-  """Heads (with their kv heads' slice of the pool, and of an FP8 pool's
-  scales) and sequences (with their table rows) sharded under plain ``jit``:
-  each device runs the kernel on its shard, with no collective, bitwise the
-  unsharded result."""
+  """Heads (with their kv heads' slice of the pool, an FP8 pool's scales too)
+  and sequences (with their table rows) sharded under plain ``jit``: each
+  device runs the kernel on its shard, no collective, bitwise unsharded."""
   from jax.sharding import AxisType, NamedSharding
   from jax.sharding import PartitionSpec as P
   # 8 virtual CPU devices, or the GPUs of a 2-GPU machine (in bfloat16 at
@@ -637,9 +635,8 @@ def test_sharded_under_jit(axes, cache):
   pool = P(None, None, "tp")
   if cache == "fp8":
     for name in ("k_pages", "v_pages"):
-      codes, scales = paged_fp8.quantize_tokens(inputs[name])
-      inputs[name] = paged_fp8.Fp8Pages(codes, jnp.swapaxes(scales, 1, 2))
-    pool = paged_fp8.Fp8Pages(pool, P(None, "tp"))
+      inputs[name] = jax_flash.Fp8Pages.quantize(inputs[name])
+    pool = jax_flash.Fp8Pages(pool, P(None, "tp"))
   specs = (P("dp", None, "tp"), pool, pool, P("dp"), P("dp"), P("dp"))
   placed = [jax.device_put(x, jax.tree.map(lambda s: NamedSharding(mesh, s), s))
             for x, s in zip(inputs.values(), specs)]
@@ -659,9 +656,8 @@ def test_sharded_under_jit(axes, cache):
 def test_partitioning_of_split_outputs(fp8_scales):
   """The GPU kernel's outputs hold batch x splits rows (sharding.py's rule
   "(b x)"): a stand-in kernel with three splits partitions over batch and
-  heads like the real one, without collectives; an FP8 cache's scales
-  [P, Hkv, S] shard with their kv heads (each head's output adds its kv
-  head's first scale)."""
+  heads like the real one, without collectives; an FP8 cache's scales [P,
+  Hkv, S] shard with their kv heads (each head's output adds one of them)."""
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
   from jax_flash import _sharding as sharding

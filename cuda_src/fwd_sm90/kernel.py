@@ -116,8 +116,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
         self.kv_stages = kv_stages or default_stages
         self.conditional_rescale = conditional_rescale
         self.has_segments = has_segments
-        # The packed-document variants keep two consumers: at three their 160 registers
-        # spill (348 bytes at hd64).
+        # The packed-document variants keep two consumers: at three, 160 registers spill 348 bytes (hd64).
         self.consumers = consumers or (2 if has_segments else default_consumers)
         self.pingpong = pingpong and self.consumers > 1
         if self.consumers > 1 and not self.pingpong:
@@ -314,8 +313,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
             stream=stream,
             cluster=[self.cluster_size, 1, 1] if self.cluster_size > 1 else None,
             min_blocks_per_mp=self.ctas_per_sm,
-            # All of the unified L1 as shared memory; also spares the DSL a device query for it (there is no
-            # GPU where this compiles).
+            # All of the unified L1 as shared memory; spares the DSL a device query (no GPU compiles this).
             preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None,
         )
 
@@ -403,8 +401,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
             kv_len = cutlass.max(cutlass.min(mKVLens[batch], seqlen_k), 0)
 
         # ---- KV tile range of the whole CTA (of the cluster) -----------------
-        # The CTAs of a cluster walk the same KV tiles: the range of all their rows (the same for each row
-        # without a window).
+        # The CTAs of a cluster walk the same KV tiles: all their rows' range (each row's without a window).
         cluster_start = m_start - m_block % self.cluster_size * self.tile_m
         first_row = cutlass.max(cluster_start, 0)
         last_row = cutlass.min(cluster_start + self.cluster_size * self.tile_m, q_len) - 1
