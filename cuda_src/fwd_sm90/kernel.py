@@ -52,7 +52,7 @@ from .launch_order import tile_of_cta
 from .kv_producer import WG_ROWS, KVProducer
 from .online_softmax import online_softmax, rescale_rows
 from .output_tile import store_output_tile
-from .paged_kv import PAGE_BOX, PagedCall, PagedProblem, produce_paged, slab_layouts
+from .paged_kv import LARGE_BOX, PAGE_BOX, PagedCall, PagedProblem, large_box_atoms, produce_paged, slab_layouts
 from .paged_fp8 import CONVERT_WARPGROUPS, CONVERT_WARPS, PRODUCER_REGS as CONVERTER_REGS, Fp8Cache
 from .score_mask import mask_tile, unseen_leading_tiles
 from .segment_ids import warp_bounds_union
@@ -276,19 +276,17 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
         sK_box, sV_box, box_n = sK_stage, sV_stage, tile_n
         if cutlass.const_expr(self.paged_kv):
             (sK_box, sV_box), box_n = slab_layouts(sK_stage, sV_stage, hd, hd_v), PAGE_BOX
-        scale_atoms = (None,) * 4
+        # A second K / V atom pair: the FP8 cache's scales (paged_fp8.py), or LARGE_BOX-key page boxes.
+        second_atoms = (None,) * 4
         if cutlass.const_expr(self.fp8_cache):
-            tma_k, mK_tma, tma_v, mV_tma, *scale_atoms = self._fp8_cache_atoms(mK, mV, scales)
+            tma_k, mK_tma, tma_v, mV_tma, *second_atoms = self._fp8_cache_atoms(mK, mV, scales)
         else:
-            tma_k, mK_tma = cpasync.make_tiled_tma_atom(
-                g2s_kv, mKt, sK_box, (box_n, hd), num_multicast=self.cluster_size
-            )
-            tma_v, mV_tma = cpasync.make_tiled_tma_atom(
-                g2s_kv, mVt, sV_box, (hd_v, box_n), num_multicast=self.cluster_size
-            )
-        tma_o, mO_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mOt, sO_stage, (WG_ROWS, hd_v)
-        )
+            if cutlass.const_expr(self.paged_kv and tile_n % LARGE_BOX == 0):
+                second_atoms = large_box_atoms(g2s, mKt, mVt, sK_stage, sV_stage, hd, hd_v)
+            multicast = self.cluster_size
+            tma_k, mK_tma = cpasync.make_tiled_tma_atom(g2s_kv, mKt, sK_box, (box_n, hd), num_multicast=multicast)
+            tma_v, mV_tma = cpasync.make_tiled_tma_atom(g2s_kv, mVt, sV_box, (hd_v, box_n), num_multicast=multicast)
+        tma_o, mO_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mOt, sO_stage, (WG_ROWS, hd_v))
 
         SharedStorage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
 
@@ -304,7 +302,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
             tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, tma_o, mO_tma,
             mLSE, mQLens, mKVLens,
             scale, softcap, diag_offset, window_left, window_right,
-            mSinks, mQSeg, mKVSeg, mKVBounds, mPageTable, split_pages, *descales, *scale_atoms,
+            mSinks, mQSeg, mKVSeg, mKVBounds, mPageTable, split_pages, *descales, *second_atoms,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(
@@ -345,10 +343,10 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
         mQDescale: Optional[cute.Tensor],
         mKDescale: Optional[cute.Tensor],
         mVDescale: Optional[cute.Tensor],
-        tma_ks: Optional[cute.CopyAtom],
-        mKS: Optional[cute.Tensor],
-        tma_vs: Optional[cute.CopyAtom],
-        mVS: Optional[cute.Tensor],
+        tma_k2: Optional[cute.CopyAtom],
+        mK2: Optional[cute.Tensor],
+        tma_v2: Optional[cute.CopyAtom],
+        mV2: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -361,7 +359,7 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = warp_idx // 4
         if warp_idx == 0:
-            for atom in (tma_q, tma_k, tma_v, tma_o, tma_ks, tma_vs):
+            for atom in (tma_q, tma_k, tma_v, tma_o, tma_k2, tma_v2):
                 if cutlass.const_expr(atom is not None):
                     cpasync.prefetch_descriptor(atom)
         tile_n = self.tile_n
@@ -469,14 +467,14 @@ class FlashFwdSm90(KVProducer, ConsumerTurns, ValueChecks, Fp8Variant, PagedCall
         if wg_idx < self.producers:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if cutlass.const_expr(self.fp8_cache):
-                self._produce_fp8_cache(tma_q, mQ, sQ, pipe_q, (tma_k, mK, tma_v, mV, tma_ks, mKS, tma_vs, mVS),
+                self._produce_fp8_cache(tma_q, mQ, sQ, pipe_q, (tma_k, mK, tma_v, mV, tma_k2, mK2, tma_v2, mV2),
                                         storage, sK_layout, sV_layout, pipe_k, pipe_v, pipe8, mPageTable, paged,
                                         head_q, head_kv, wg_tile0, n_block_max, num_n_blocks, tidx)
             elif warp_idx == 0:
                 if cutlass.const_expr(self.paged_kv):
                     produce_paged(
-                        tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
-                        mPageTable, paged, head_q, head_kv, wg_tile0, n_block_max, num_n_blocks,
+                        tma_q, mQ, (tma_k, mK, tma_v, mV), (tma_k2, mK2, tma_v2, mV2), sQ, sK, sV, pipe_q,
+                        pipe_k, pipe_v, mPageTable, paged, head_q, head_kv, wg_tile0, n_block_max, num_n_blocks,
                         self.consumers, self.kv_stages, tile_n, WG_ROWS,
                     )
                 else:
