@@ -14,7 +14,9 @@ memory-bound case). Implementations of one shape run in turn:
   it cannot serve is reported and skipped): on a Hopper GPU the kernels of
   cuda_src/mla_sm90, for the FP8 cache kernel_fp8.py, its time including the
   queries' quantisation that ``mla_decode`` does before it; the CPU kernel
-  with ``--cpu-sizes``, which also runs ``implementation="xla"``.
+  with ``--cpu-sizes``, which also runs ``implementation="xla"``. With
+  ``--kv-split-sizes``, once per split size (variant ``flash-split2048``;
+  ``default``: the default rule, variant ``flash``).
 * ``xla`` ``gather``: plain JAX over the gathered pages (the FP8 cache
   dequantised to bfloat16 first): bfloat16 products with float32
   accumulation, a float32 softmax.
@@ -51,9 +53,9 @@ IMPLS = ("jax_flash", "xla")
 BYTES_PER_TOKEN = {"bfloat16": 2 * WIDTH,
                    "float8_e4m3fn": LATENT + 4 + 2 * mla_fp8.ROPE_DIM}  # 1152 and 644
 GPU_SIZES = dict(batches=(128, 32), seqs=(4096, 8192, 16384, 32768), s_qs=(1, 2),
-                 heads=(128, 16), kv_dtypes=KV_DTYPES, impls=IMPLS)
+                 heads=(128, 16), kv_dtypes=KV_DTYPES, impls=IMPLS, kv_split_sizes=(None,))
 CPU_SIZES = dict(batches=(2,), seqs=(256, 1024), s_qs=(1, 2), heads=(16,), kv_dtypes=KV_DTYPES,
-                 impls=IMPLS)
+                 impls=IMPLS, kv_split_sizes=(None,))
 # The XLA composition holds the gathered cache and the float32 logits beside
 # the pool: shapes past this many cached tokens skip it.
 MAX_XLA_TOKENS = 1 << 22
@@ -100,15 +102,16 @@ def xla_attention(q, rows, lengths, widen=False):
   return out.astype(out_dtype)
 
 
-def implementations(kv_dtype, cpu):
-  """(impl, variant, fn(q, cache or rows, table, lengths), takes contiguous rows)"""
+def implementations(kv_dtype, cpu, kv_split_sizes):
+  """(impl, variant, fn(q, cache or rows, table, lengths), takes contiguous rows, kv_split_size)"""
   xla = functools.partial(xla_attention, widen=cpu)
-  plans = [("jax_flash", variant,
-            functools.partial(jax_flash.mla_decode, scale=SCALE, implementation=variant), False)
-           for variant in (("flash", "xla") if cpu else ("flash",))]
-  plans.append(("xla", "gather", lambda q, c, t, n: xla(q, gathered_rows(c, t), n), False))
+  plans = [("jax_flash", variant + (f"-split{size}" if size else ""),
+            functools.partial(jax_flash.mla_decode, scale=SCALE, implementation=variant,
+                              kv_split_size=size), False, size)
+           for variant in (("flash", "xla") if cpu else ("flash",)) for size in kv_split_sizes]
+  plans.append(("xla", "gather", lambda q, c, t, n: xla(q, gathered_rows(c, t), n), False, None))
   if kv_dtype == "bfloat16":
-    plans.append(("xla", "contiguous", lambda q, rows, t, n: xla(q, rows, n), True))
+    plans.append(("xla", "contiguous", lambda q, rows, t, n: xla(q, rows, n), True, None))
   return plans
 
 
@@ -146,7 +149,8 @@ def run(sizes, cpu, ceiling):
           for s_q in sizes["s_qs"]:
             args = inputs(batch, seq, s_q, heads, kv_dtype)
             contiguous = None
-            for impl, variant, fn, wants_rows in implementations(kv_dtype, cpu):
+            for impl, variant, fn, wants_rows, split in implementations(
+                kv_dtype, cpu, sizes["kv_split_sizes"]):
               label = f"{impl}:{variant}"
               if impl not in sizes["impls"]:
                 continue
@@ -172,7 +176,7 @@ def run(sizes, cpu, ceiling):
                   "batch": batch, "seq_q": s_q, "seq_k": seq, "heads_q": heads, "heads_kv": 1,
                   "head_dim": WIDTH, "head_dim_v": LATENT, "causal": True, "window": None,
                   "variant": variant, "tflops": float(f"{tflops:.4g}"), "ms": round(ms, 4),
-                  "gbps": float(f"{gbps:.4g}"), "page_size": PAGE,
+                  "gbps": float(f"{gbps:.4g}"), "page_size": PAGE, "kv_split_size": split,
                   "matmul_fraction": None if matmul is None else round(matmul, 3),
                   "copy_fraction": round(copy, 3)})
             del args, contiguous
@@ -182,14 +186,14 @@ def run(sizes, cpu, ceiling):
 
 def print_fp8_speedups(rows):
   """jax_flash's FP8 cache against its bfloat16 cache, shape by shape."""
-  times = {(r["kv_dtype"], r["batch"], r["seq_k"], r["seq_q"], r["heads_q"]): r["ms"]
-           for r in rows if r["impl"] == "jax_flash"}
-  for (kv_dtype, *shape), ms in times.items():
-    bf16 = times.get(("bfloat16", *shape))
+  times = {(r["kv_dtype"], r["variant"], r["batch"], r["seq_k"], r["seq_q"], r["heads_q"]):
+           r["ms"] for r in rows if r["impl"] == "jax_flash"}
+  for (kv_dtype, variant, *shape), ms in times.items():
+    bf16 = times.get(("bfloat16", variant, *shape))
     if kv_dtype != "bfloat16" and bf16:
       batch, seq, s_q, heads = shape
-      print(f"FP8 / bfloat16 throughput, B {batch} S {seq} s_q {s_q} H {heads}: {bf16 / ms:.2f}x",
-            flush=True)
+      print(f"FP8 / bfloat16 throughput, {variant}, B {batch} S {seq} s_q {s_q} H {heads}: "
+            f"{bf16 / ms:.2f}x", flush=True)
 
 
 def main(argv=None) -> int:
@@ -202,13 +206,18 @@ def main(argv=None) -> int:
   parser.add_argument("--heads", type=int, nargs="+")
   parser.add_argument("--kv-dtypes", nargs="+", choices=KV_DTYPES)
   parser.add_argument("--impls", nargs="+", choices=IMPLS)
+  parser.add_argument("--kv-split-sizes", nargs="+",
+                      type=lambda v: None if v == "default" else int(v),
+                      help="mla_decode's kv_split_size values to run jax_flash with ('default': "
+                           "its default rule)")
   parser.add_argument("--out", type=pathlib.Path, help="results file to write (one run)")
   args = parser.parse_args(argv)
   if not args.cpu_sizes and jax.default_backend() != "gpu":
     print("bench_mla: needs a GPU (or --cpu-sizes)")
     return 2
   sizes = {**(CPU_SIZES if args.cpu_sizes else GPU_SIZES),
-           **{k: tuple(v) for k in ("batches", "seqs", "s_qs", "heads", "kv_dtypes", "impls")
+           **{k: tuple(v) for k in ("batches", "seqs", "s_qs", "heads", "kv_dtypes", "impls",
+                                    "kv_split_sizes")
               if (v := getattr(args, k)) is not None}}
   device = jax.devices("cpu" if args.cpu_sizes else "gpu")[0]
   with jax.default_device(device):

@@ -66,7 +66,8 @@ for _name, _capsule in _cpu_ffi.mla_registrations().items():
 
 
 def mla_decode(q, cache, page_table, cache_lengths, *, scale, query_lengths=None, sinks=None,
-               return_lse: bool = False, implementation: str | None = None):
+               kv_split_size: int | None = None, return_lse: bool = False,
+               implementation: str | None = None):
   """MLA attention of new tokens against a paged latent cache (forward only).
 
   Each sequence ``b`` has ``cache_lengths[b]`` tokens in its cache, the last
@@ -98,6 +99,14 @@ def mla_decode(q, cache, page_table, cache_lengths, *, scale, query_lengths=None
       (added to the merged result, in both cache formats); rows that see
       no key, padding rows included, then output zeros with an lse equal
       to their sink.
+    kv_split_size: keys per split of the Hopper kernels, a multiple of 64;
+      ``None``: 1024 where a sequence's query rows (``s_q x heads``) fit one
+      tile of 64 (the memory-bound tensor-parallel shards), else 2048.
+      Results are batch invariant for one value of it, and change in their
+      last bits with it: keep it fixed across a deployment. Longer splits
+      suit large batches (fewer partial results to merge), shorter ones
+      give small batches more parallelism (docs/mla.md). The CPU kernel
+      and the composition do not split.
     return_lse: also return the natural-log log-sum-exp, float32
       ``[batch, heads, s_q]``.
     implementation: ``None`` runs jax_flash's kernel where one applies and
@@ -121,6 +130,7 @@ def mla_decode(q, cache, page_table, cache_lengths, *, scale, query_lengths=None
   scale = _check_scale(scale)
   return_lse = validation.check_flag(return_lse, "return_lse")
   sinks = validation.check_sinks(sinks, jnp.shape(q)[2])
+  kv_split_size = _check_kv_split_size(kv_split_size)
   batch, max_new = jnp.shape(q)[:2]
   if query_lengths is None:
     query_lengths = jnp.full((batch,), max_new, jnp.int32)
@@ -129,7 +139,8 @@ def mla_decode(q, cache, page_table, cache_lengths, *, scale, query_lengths=None
   if implementation == "xla":
     out, lse = mla_reference(q, cache, *operands, scale=scale)
   else:
-    out, lse = _on_kernels(q, cache, *operands, scale=scale, implementation=implementation)
+    out, lse = _on_kernels(q, cache, *operands, scale=scale, kv_split_size=kv_split_size,
+                           implementation=implementation)
   if sinks is not None:
     # A padding row sees no key, whatever its query left in the lse.
     padding = jnp.arange(max_new)[None, None, :] >= jnp.asarray(query_lengths)[:, None, None]
@@ -137,7 +148,8 @@ def mla_decode(q, cache, page_table, cache_lengths, *, scale, query_lengths=None
   return (out, lse) if return_lse else out
 
 
-def _on_kernels(q, cache, page_table, cache_lengths, query_lengths, *, scale, implementation):
+def _on_kernels(q, cache, page_table, cache_lengths, query_lengths, *, scale, kv_split_size,
+                implementation):
   """The kernel of the platform the call is lowered for (``paged.per_platform``),
   on each device's shard where q is sharded over Explicit mesh axes."""
   platform = api._platform_of(q, cache)
@@ -161,7 +173,9 @@ def _on_kernels(q, cache, page_table, cache_lengths, query_lengths, *, scale, im
 
   def attend(*args):
     return paged.per_platform(
-        args, kernels={"cpu": with_cache(_mla_kernel_cpu), "cuda": with_cache(_mla_kernel)},
+        args, kernels={"cpu": with_cache(_mla_kernel_cpu),
+                       "cuda": with_cache(functools.partial(_mla_kernel,
+                                                            kv_split_size=kv_split_size))},
         reference=with_cache(mla_reference), output_types=output_types,
         implementation=implementation, reasons=reasons, what="MLA decode kernels")
 
@@ -176,14 +190,17 @@ _GPU_FROM_ELSEWHERE = ("an MLA decode call traced without a GPU has no GPU kerne
                        "the GPU that runs it, or use implementation=None")
 
 
-def _mla_kernel(q, cache, page_table, cache_lengths, query_lengths, *, scale: float):
+def _mla_kernel(q, cache, page_table, cache_lengths, query_lengths, *, scale: float,
+                kv_split_size: int | None):
   """The Hopper kernels: per (64 packed query rows, sequence, split) a
   partial result, merged in ``paged.merge_splits``'s fixed order."""
   s_q, heads = q.shape[1:3]
   fp8 = isinstance(cache, MlaFp8Cache)
-  split_keys = _SPLIT_KEYS_ONE_TILE if s_q * heads <= _ROW_TILE else _SPLIT_KEYS
+  split_keys = kv_split_size or (_SPLIT_KEYS_ONE_TILE if s_q * heads <= _ROW_TILE else _SPLIT_KEYS)
+  # A split longer than the table is one split of the table's width (no padding).
+  split_pages = min(split_keys // PAGE_SIZE, max(page_table.shape[1], 1))
   return _split_kernel(_CUDA_TARGETS[fp8], q, cache, page_table, cache_lengths, query_lengths,
-                       scale=scale, split_pages=split_keys // PAGE_SIZE, quantize_query=fp8)
+                       scale=scale, split_pages=split_pages, quantize_query=fp8)
 
 
 def _mla_kernel_cpu(q, cache, page_table, cache_lengths, query_lengths, *, scale: float):
@@ -313,6 +330,15 @@ def _check_scale(scale) -> float:
                      "dim, not from the cache's 576 columns (DeepSeek-V2/V3: (128 + 64) ** -0.5, "
                      "times mscale ** 2 with YaRN)")
   return validation.check_scale(scale, HEAD_DIM)
+
+
+def _check_kv_split_size(kv_split_size) -> int | None:
+  if kv_split_size is not None and (
+      isinstance(kv_split_size, bool) or not isinstance(kv_split_size, (int, np.integer))
+      or kv_split_size <= 0 or kv_split_size % PAGE_SIZE):
+    raise ValueError(f"kv_split_size must be None or a positive multiple of the page size "
+                     f"{PAGE_SIZE}, got {kv_split_size!r}")
+  return None if kv_split_size is None else int(kv_split_size)
 
 
 def _check_mla(q, cache, page_table, cache_lengths, query_lengths) -> None:

@@ -547,6 +547,10 @@ def test_errors():
     jax_flash.mla_decode(**inputs, scale=None)
   with pytest.raises(ValueError, match="implementation must be one of"):
     jax_flash.mla_decode(**inputs, scale=SCALE, implementation="cpu")
+  for size in (100, 0, -64, True, 64.0):
+    with pytest.raises(ValueError, match="kv_split_size must be None or a positive multiple of "
+                                         f"the page size 64, got {size!r}"):
+      call(kv_split_size=size)
   with pytest.raises(ValueError, match=r"latent must be \[batch, max_new_tokens, 576\]"):
     mla.write_mla_cache(cache, jnp.zeros((2, 1, 512), jnp.bfloat16), inputs["page_table"],
                         inputs["cache_lengths"])
@@ -628,6 +632,24 @@ class MlaKernelChecks:
     got_mixed = self.run(place_sequence(batch, 2, alone))
     np.testing.assert_array_equal(got_mixed[0][2], got_alone[0][0])
     np.testing.assert_array_equal(got_mixed[1][2], got_alone[1][0])
+
+  def test_kv_split_size(self, dtype):
+    """Other split sizes: short ones (4097 keys in 33 splits of 128) and
+    long ones match the reference, and a sequence's rows are bitwise the same
+    alone and in a batch with each (a split longer than every table
+    included: one split, whatever the table's width)."""
+    inputs, rows = self.batch(44, [4097, 1000, 17, 1], [2, 1, 2, 1], dtype, heads=16)
+    for size in (128, 4096):
+      assert_matches(self.run(inputs, kv_split_size=size), inputs, rows,
+                     f"kv_split_size {size}", self.fp8_floor)
+    batch = self.batch(9, [70, 9000, 3000, 1], [1, 2, 2, 1], dtype, spare_pages=20, heads=16)[0]
+    alone = self.batch(8, [3000], [2], dtype, heads=16)[0]
+    mixed = place_sequence(batch, 2, alone)
+    for size in (192, 1 << 20):
+      got_alone = self.run(alone, kv_split_size=size)
+      got_mixed = self.run(mixed, kv_split_size=size)
+      np.testing.assert_array_equal(got_mixed[0][2], got_alone[0][0])
+      np.testing.assert_array_equal(got_mixed[1][2], got_alone[1][0])
 
   def test_unseen_positions_never_reach_results(self, dtype):
     inputs, _ = self.batch(12, [1000, 300, 5, 4097], [2, 1, 0, 2], dtype)
