@@ -87,7 +87,8 @@ def test_fp8_cache_lowers_to_the_hopper_kernel_per_shard(monkeypatch):
   monkeypatched, so that any host runs this): the FP8 cache calls its
   kernel's target with the query quantised (codes, scales, RoPE columns),
   and under an Explicit mesh over heads with each device's 16 of the 128
-  heads (one row tile: splits of 1024 keys instead of 2048)."""
+  heads (one row tile: splits of 1024 keys instead of 2048, which the page
+  table's padding to whole splits shows: 33 pages to 64 or 48)."""
   from jax import export
   from jax.sharding import AxisType, NamedSharding
   from jax.sharding import PartitionSpec as P
@@ -96,7 +97,7 @@ def test_fp8_cache_lowers_to_the_hopper_kernel_per_shard(monkeypatch):
   monkeypatch.setattr(mla.api, "_platform_of", lambda *arrays: "gpu")
   monkeypatch.setattr(mla, "_CUDA_REGISTERED", {False: True, True: True})
   monkeypatch.setattr(mla.ffi, "gpu_compute_capability", lambda: (9, 0))
-  inputs, _ = make_batch(18, [40, 7], [1, 1], heads=128, fp8=True)
+  inputs, _ = make_batch(18, [2100, 7], [1, 1], heads=128, fp8=True)
   target = mla._CUDA_TARGETS[True]
   attend = jax.jit(functools.partial(jax_flash.mla_decode, scale=SCALE, implementation="flash"))
 
@@ -112,11 +113,11 @@ def test_fp8_cache_lowers_to_the_hopper_kernel_per_shard(monkeypatch):
            f"tensor<{pages}x64x64xbf16>")
   assert operand_types(inputs) == (
       f"tensor<2x1x128x512xf8E4M3FN>, tensor<2x1x128xf32>, tensor<2x1x128x64xbf16>, {cache}, "
-      "tensor<2x32xi32>, tensor<2xi32>, tensor<2xi32>")
+      "tensor<2x64xi32>, tensor<2xi32>, tensor<2xi32>")
   mesh = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Explicit,))
   placed = {name: jax.device_put(x, NamedSharding(mesh, P(None, None, "tp") if name == "q"
                                                   else P()))
             for name, x in inputs.items()}
   assert operand_types(placed) == (
       f"tensor<2x1x16x512xf8E4M3FN>, tensor<2x1x16xf32>, tensor<2x1x16x64xbf16>, {cache}, "
-      "tensor<2x16xi32>, tensor<2xi32>, tensor<2xi32>")
+      "tensor<2x48xi32>, tensor<2xi32>, tensor<2xi32>")
