@@ -615,9 +615,10 @@ class MlaKernelChecks:
       (16, 1), (16, 2), (128, 2), pytest.param(64, 1, marks=pytest.mark.slow),
       pytest.param(64, 2, marks=pytest.mark.slow), pytest.param(128, 1, marks=pytest.mark.slow)])
   def test_heads_and_speculative_rows(self, dtype, heads, s_q):
-    # 4097 keys: the GPU's splits of 1024 or 2048 keys, the last of one key.
-    lengths = [4097, 1000, 17, 1]
-    new = [s_q, 1, s_q, 1]
+    # 4097 keys: the GPU's splits of 1024 or 2048 keys, the last of one key;
+    # 300: an odd number of pages (the Hopper kernel works on pairs).
+    lengths = [4097, 1000, 17, 1, 300]
+    new = [s_q, 1, s_q, 1, s_q]
     inputs, rows = self.batch(heads + s_q, lengths, new, dtype, heads=heads)
     assert_matches(self.run(inputs), inputs, rows, f"heads {heads} s_q {s_q}", self.fp8_floor)
 
@@ -634,18 +635,18 @@ class MlaKernelChecks:
     np.testing.assert_array_equal(got_mixed[1][2], got_alone[1][0])
 
   def test_kv_split_size(self, dtype):
-    """Other split sizes: short ones (4097 keys in 33 splits of 128) and
-    long ones match the reference, and a sequence's rows are bitwise the same
-    alone and in a batch with each (a split longer than every table
-    included: one split, whatever the table's width)."""
+    """Other split sizes: short ones (4097 keys in 22 splits of 192, an odd
+    three pages each) and long ones match the reference, and a sequence's
+    rows are bitwise the same alone and in a batch with each (a split
+    longer than every table included: one split, whatever its width)."""
     inputs, rows = self.batch(44, [4097, 1000, 17, 1], [2, 1, 2, 1], dtype, heads=16)
-    for size in (128, 4096):
+    for size in (192, 4096):
       assert_matches(self.run(inputs, kv_split_size=size), inputs, rows,
                      f"kv_split_size {size}", self.fp8_floor)
     batch = self.batch(9, [70, 9000, 3000, 1], [1, 2, 2, 1], dtype, spare_pages=20, heads=16)[0]
     alone = self.batch(8, [3000], [2], dtype, heads=16)[0]
     mixed = place_sequence(batch, 2, alone)
-    for size in (192, 1 << 20):
+    for size in (128, 1 << 20):
       got_alone = self.run(alone, kv_split_size=size)
       got_mixed = self.run(mixed, kv_split_size=size)
       np.testing.assert_array_equal(got_mixed[0][2], got_alone[0][0])
