@@ -333,9 +333,7 @@ def _check_scale(scale) -> float:
 
 
 def _check_kv_split_size(kv_split_size) -> int | None:
-  if kv_split_size is not None and (
-      isinstance(kv_split_size, bool) or not isinstance(kv_split_size, (int, np.integer))
-      or kv_split_size <= 0 or kv_split_size % PAGE_SIZE):
+  if kv_split_size is not None and not validation.is_positive_multiple(kv_split_size, PAGE_SIZE):
     raise ValueError(f"kv_split_size must be None or a positive multiple of the page size "
                      f"{PAGE_SIZE}, got {kv_split_size!r}")
   return None if kv_split_size is None else int(kv_split_size)

@@ -577,8 +577,7 @@ def _check_paged(q, k_pages, v_pages, page_table, cache_lengths, query_lengths,
                      f"{_MAX_PAGE_SIZE}, got {page_size}")
   if kv_split_size is None:
     kv_split_size = DEFAULT_KV_SPLIT_SIZE // page_size * page_size
-  if (isinstance(kv_split_size, bool) or not isinstance(kv_split_size, (int, np.integer))
-      or kv_split_size <= 0 or kv_split_size % page_size):
+  if not validation.is_positive_multiple(kv_split_size, page_size):
     raise ValueError(f"kv_split_size must be a positive multiple of page_size {page_size}, got "
                      f"{kv_split_size!r}")
   _check_table(page_table, cache_lengths, query_lengths, batch, max_new, num_pages, page_size)

@@ -122,6 +122,11 @@ def _is_int(x) -> bool:
   return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
+def is_positive_multiple(x, multiple: int) -> bool:
+  """Whether x is a Python or numpy integer (not a bool), positive, and a multiple of `multiple`."""
+  return _is_int(x) and x > 0 and x % multiple == 0
+
+
 def check_window(window, name: str) -> tuple[int, int]:
   """(left, right) with -1 for an unbounded side; accepts None entries."""
   if window is None:
