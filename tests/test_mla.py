@@ -615,8 +615,7 @@ class MlaKernelChecks:
       (16, 1), (16, 2), (128, 2), pytest.param(64, 1, marks=pytest.mark.slow),
       pytest.param(64, 2, marks=pytest.mark.slow), pytest.param(128, 1, marks=pytest.mark.slow)])
   def test_heads_and_speculative_rows(self, dtype, heads, s_q):
-    # 4097 keys: the GPU's splits of 1024 or 2048 keys, the last of one key;
-    # 300: an odd number of pages (the Hopper kernel works on pairs).
+    # 4097 keys: GPU splits of 1024 or 2048 keys, the last of one key; 300: 5 pages.
     lengths = [4097, 1000, 17, 1, 300]
     new = [s_q, 1, s_q, 1, s_q]
     inputs, rows = self.batch(heads + s_q, lengths, new, dtype, heads=heads)
@@ -635,10 +634,9 @@ class MlaKernelChecks:
     np.testing.assert_array_equal(got_mixed[1][2], got_alone[1][0])
 
   def test_kv_split_size(self, dtype):
-    """Other split sizes: short ones (4097 keys in 22 splits of 192, an odd
-    three pages each) and long ones match the reference, and a sequence's
-    rows are bitwise the same alone and in a batch with each (a split
-    longer than every table included: one split, whatever its width)."""
+    """Other split sizes (4097 keys in 22 splits of 192: three pages each)
+    match the reference, and a sequence's rows are bitwise the same alone and
+    in a batch with each (a split longer than every table: one split)."""
     inputs, rows = self.batch(44, [4097, 1000, 17, 1], [2, 1, 2, 1], dtype, heads=16)
     for size in (192, 4096):
       assert_matches(self.run(inputs, kv_split_size=size), inputs, rows,
@@ -647,8 +645,7 @@ class MlaKernelChecks:
     alone = self.batch(8, [3000], [2], dtype, heads=16)[0]
     mixed = place_sequence(batch, 2, alone)
     for size in (128, 1 << 20):
-      got_alone = self.run(alone, kv_split_size=size)
-      got_mixed = self.run(mixed, kv_split_size=size)
+      got_alone, got_mixed = (self.run(x, kv_split_size=size) for x in (alone, mixed))
       np.testing.assert_array_equal(got_mixed[0][2], got_alone[0][0])
       np.testing.assert_array_equal(got_mixed[1][2], got_alone[1][0])
 
