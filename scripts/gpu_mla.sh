@@ -3,10 +3,11 @@
 # kernels exported ahead of time into AOT_DIR (scripts/prepare_gpu_run.sh's
 # layout plus lib/mla_sm90_sm_90a), the MLA GPU tests, then the benchmark
 # (KV_DTYPES, default both caches; BENCH_ARGS go to benchmarks/bench_mla.py).
-# SMOKE=script runs first (scripts/mla_fp8_case.py: the FP8 kernel against
-# the composition) and its failure skips the benchmark; SANITIZE_SMOKE=1
-# also runs it under compute-sanitizer memcheck and racecheck. TESTS=0 skips
-# the tests, BENCH=0 the benchmark (a 600 s call may not hold all of it).
+# SMOKE="script [args]" runs first (e.g. "scripts/mla_case.py --fp8": a
+# kernel against the composition) and its failure skips the benchmark;
+# SANITIZE_SMOKE=1 also runs it under compute-sanitizer memcheck and
+# racecheck (only the MLA kernels instrumented). TESTS=0 skips the tests,
+# BENCH=0 the benchmark (a 600 s call may not hold all of it).
 # Each step has a time limit, so that a hang in one leaves time for the next.
 #
 #   OUT=DIR bash scripts/gpu_mla.sh AOT_DIR [BENCH_ARGS...]
@@ -20,13 +21,14 @@ bash scripts/gpu_check.sh "$AOT_DIR" none || exit 1
 smoke=0
 if [[ -n ${SMOKE:-} ]]; then  # a quick script first: its failure skips the benchmark
   echo "== smoke ($(date +%T))"
-  timeout "${SMOKE_TIMEOUT:-90}" python3 "$SMOKE" >"$OUT/smoke.log" 2>&1
+  # shellcheck disable=SC2086  # SMOKE is a script and its arguments
+  timeout "${SMOKE_TIMEOUT:-90}" python3 $SMOKE >"$OUT/smoke.log" 2>&1
   smoke=$?
   tail -30 "$OUT/smoke.log"
   if [[ ${SANITIZE_SMOKE:-0} == 1 ]]; then
     for tool in memcheck racecheck; do
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout "${SANITIZE_TIMEOUT:-150}" \
-          compute-sanitizer --tool $tool --error-exitcode 3 python3 "$SMOKE" \
+          compute-sanitizer --tool $tool --kernel-name kns=Mla --error-exitcode 3 python3 $SMOKE \
           >"$OUT/smoke_$tool.log" 2>&1
       echo "$tool: exit $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/smoke_$tool.log" | tail -1))"
     done

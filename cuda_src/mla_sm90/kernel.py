@@ -16,22 +16,28 @@ table and loads it whole (64 x 576) with TMA into a two-stage ring. The
 page is the K tile of S = Q K^T and, through a transposed view of the same
 shared memory, its first 512 columns are the V tile of O = P V.
 
-Warpgroups 1 and 2 are the consumers. Each computes S for its half of the
-page's keys (64 x 32), the two exchange their rows' maxima through shared
-memory (so both hold the same running maximum, bit for bit), each writes
-its half of P = exp(S - max) into one shared 64 x 64 tile, and each then
-multiplies the whole P by its half of V: each owns half of O's 512 columns
-(a 64 x 256 float32 accumulator). Two named barriers per page order the
-exchanges; the row sums are exchanged once, at the end.
+Warpgroups 1 and 2 are the consumers, each owning half of O's 512 columns
+(a 64 x 256 float32 accumulator), scheduled as a seesaw over pairs of pages
+(a, b): consumer 0 computes S = Q K^T of page a and consumer 1 that of page
+b, each over the whole page (64 x 64); consumer 0 takes its softmax step,
+writes P = exp(S - max) into a's RoPE columns (which only its own S read)
+and hands it over with its running maxima; consumer 1 continues the online
+softmax from those maxima over page b and hands over b's P the same way; each
+multiplies both pages' P by its half of V, rescaling O in between. So one
+consumer's softmax runs under the other's products, both end each pair with
+the same running maximum, bit for bit, and each page's S is one product of
+full width. A pair's last page may be missing (an odd number of pages);
+the row sums are exchanged once, at the end.
 
 Visibility: query token t of a sequence with q_len new tokens and `total`
 cached ones sees keys up to total - q_len + t. Only the split's last tiles
 can hold keys that some rows do not see (the causal band of s_q - 1 keys,
 and slots past the cache length); there S is masked per element, and,
 since P = 0 times a non-finite V would still poison the output, the V
-values of those keys are checked and zeroed in shared memory after both
-warpgroups have read the tile as K: a non-finite value makes the output
-column NaN exactly for the rows that see its key (docs/numerics.md).
+values of those keys are checked and zeroed in shared memory after the
+page's S has read them as K (each consumer its own columns): a non-finite
+value makes the output column NaN exactly for the rows that see its key
+(docs/numerics.md).
 """
 
 import math
@@ -46,7 +52,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common.dsl_common import LOG2E, wgmma_acc_as_operand_a, wgmma_acc_as_rows_cols
+from ..common.dsl_common import LOG2E, wgmma_acc_as_rows_cols
 from ..common.nonfinite import is_nonfinite
 from ..fwd_sm90.online_softmax import (
     quad_allreduce, rescale_rows, store_converted, tile_row_max, update_row)
@@ -57,9 +63,8 @@ HEAD_DIM = 576  # latent + RoPE columns
 LATENT = 512  # the V columns
 CONSUMERS = 2
 V_COLS = LATENT // CONSUMERS  # O columns per consumer warpgroup
-KEY_HALF = PAGE // CONSUMERS  # S columns (keys) per consumer warpgroup
 WG_THREADS = 128
-KV_STAGES = 2  # Q (72 KiB) + 2 pages (144 KiB) + P (8 KiB) fill the 227 KiB of shared memory
+KV_STAGES = 2  # Q (72 KiB) + 2 pages (144 KiB) fill the 227 KiB of shared memory
 # setmaxnreg: 128 * 24 + 256 * 240 <= 65536 registers of the CTA.
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
@@ -67,6 +72,11 @@ CONSUMER_REGS = 240
 BAR_CONSUMERS = 1
 BAR_OWN = 2
 LN2 = math.log(2.0)
+# A page stage (keys x columns, column blocks of 64 outermost, so the RoPE
+# columns are its last 64 x 64 block at element LATENT * PAGE) and the P tile,
+# as cute prints them.
+K_LAYOUT = "S<3,4,3> o 0 o ((8,8),(64,9),(1,2)):((64,512),(1,4096),(0,36864))"
+P_LAYOUT = "S<3,4,3> o 0 o ((8,8),(64,1),(1,1)):((64,512),(1,0),(0,0))"
 
 
 class MlaDecodeSm90:
@@ -99,7 +109,7 @@ class MlaDecodeSm90:
         mOt = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 2, 0]))
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            cutlass.Float32, (1, 1, 1), (ROWS, KEY_HALF), warpgroup.OperandSource.SMEM)
+            cutlass.Float32, (1, 1, 1), (ROWS, PAGE), warpgroup.OperandSource.SMEM)
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
             cutlass.Float32, (1, 1, 1), (ROWS, V_COLS), warpgroup.OperandSource.SMEM)
@@ -110,6 +120,11 @@ class MlaDecodeSm90:
         sO_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (ROWS, PAGE, V_COLS), dtype,
                                                   CONSUMERS)
         sP_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (ROWS, V_COLS, PAGE), dtype, 1)
+        # The consumers keep each page's P in its RoPE columns: the stage's
+        # last 64 x 64 block, laid out as the P operand (see kernel()).
+        if cutlass.const_expr(str(sK_layout) != K_LAYOUT or str(sP_layout) != P_LAYOUT):
+            raise ValueError(f"MlaDecodeSm90: shared layouts {sK_layout} / {sP_layout} are not "
+                             f"{K_LAYOUT} / {P_LAYOUT}")
         sQ_stage = cute.slice_(sQ_layout, (None, None, 0))
         sK_stage = cute.slice_(sK_layout, (None, None, 0))
         sO_stage = cute.slice_(sO_layout, (None, None, 0))
@@ -123,11 +138,13 @@ class MlaDecodeSm90:
         class SharedStorage:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * KV_STAGES]
+            # The seesaw's hand-overs of a pair's first and second page.
+            mbar_hand: cute.struct.MemRange[cutlass.Int64, 2 * 2]
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sP_layout)], 1024]
-            # Per consumer, a value per row: the exchanged maxima and sums.
-            sRow: cute.struct.MemRange[cutlass.Float32, CONSUMERS * ROWS]
+            # Per consumer, a value per row: the sums exchanged at the end;
+            # per page of a pair, the running maxima handed over.
+            sRow: cute.struct.MemRange[cutlass.Float32, 2 * CONSUMERS * ROWS]
 
         self.q_bytes = cute.size_in_bytes(dtype, sQ_stage)
         self.k_bytes = cute.size_in_bytes(dtype, sK_stage)
@@ -177,8 +194,16 @@ class MlaDecodeSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)[None, None, 0]
-        sRow = storage.sRow.get_tensor(cute.make_layout(CONSUMERS * ROWS))
+        # P of each stage's page lives in its RoPE columns (the last 64 x 64
+        # block of the stage, laid out as the P operand), read as K only by
+        # that page's own S product.
+        sP_stage = cute.slice_(sP_layout, (None, None, 0))
+        stage_elems = cute.cosize(sK_layout) // KV_STAGES
+        sPs = cute.make_tensor(
+            cute.recast_ptr(storage.sK.data_ptr() + LATENT * PAGE, sP_layout.inner,
+                            dtype=self.dtype),
+            cute.append(sP_stage.outer, cute.make_layout(KV_STAGES, stride=stage_elems)))
+        sRow = storage.sRow.get_tensor(cute.make_layout((CONSUMERS * ROWS, 2)))
         # V (512 columns, 64 keys, stage): the K stages read transposed. The
         # K layout's index is key + 64 * column + 64 * 576 * stage.
         transpose = cute.make_layout((LATENT, PAGE, KV_STAGES), stride=(PAGE, 1, PAGE * HEAD_DIM))
@@ -195,6 +220,13 @@ class MlaDecodeSm90:
             producer_group=producer_group,
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * CONSUMERS),
             tx_count=self.k_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        # One consumer's P and running maxima to the other: page a of each
+        # pair from consumer 0, page b from consumer 1 (mbarriers: each
+        # thread's own writes are released by its own arrive).
+        consumer = pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS)
+        hands = [pipeline.PipelineAsync.create(
+            barrier_storage=storage.mbar_hand.data_ptr() + 2 * page, num_stages=1,
+            producer_group=consumer, consumer_group=consumer, defer_sync=True) for page in range(2)]
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -205,9 +237,9 @@ class MlaDecodeSm90:
                               row_tile)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self._consume(tidx % WG_THREADS, wg_idx - 1, sQ, sK, sV, sO, sP, sRow, pipe_q, pipe_k,
-                          tiled_mma_qk, tiled_mma_pv, tma_o, mO, mLSE, split, scale * LOG2E,
-                          heads, rows, row_tile, out_idx)
+            self._consume(tidx % WG_THREADS, wg_idx - 1, sQ, sK, sV, sPs, sO, sRow, pipe_q, pipe_k,
+                          hands, tiled_mma_qk, tiled_mma_pv, tma_o, mO, mLSE, split,
+                          scale * LOG2E, heads, rows, row_tile, out_idx)
 
     @cute.jit
     def _produce(self, tma_q, mQ, tma_k, mK, sQ, sK, pipe_q, pipe_k, mPageTable, split, row_tile):
@@ -232,33 +264,39 @@ class MlaDecodeSm90:
             kv_state.advance()
 
     @cute.jit
-    def _consume(self, tid, wg, sQ, sK, sV, sO, sP, sRow, pipe_q, pipe_k, tiled_mma_qk,
+    def _consume(self, tid, wg, sQ, sK, sV, sPs, sO, sRow, pipe_q, pipe_k, hands, tiled_mma_qk,
                  tiled_mma_pv, tma_o, mO, mLSE, split, scale_log2, heads, rows, row_tile, out_idx):
+        """The seesaw over pairs of pages (a, b): consumer 0 computes S of a,
+        consumer 1 S of b (each the whole page), and each multiplies both
+        pages' P by its half of V, so that one's softmax runs under the
+        other's products. Both end each pair with the same running maximum
+        (consumer 1 continues from a's, consumer 0 adopts b's)."""
         thr_qk = tiled_mma_qk.get_slice(tid)
         thr_pv = tiled_mma_pv.get_slice(tid)
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ[None, None, 0]))
-        # This warpgroup's 32 keys of each page: (32, 576, stage).
-        sK_wg = cute.flat_divide(sK, (KEY_HALF, HEAD_DIM))[None, None, wg, 0, None]
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK_wg))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
         # This warpgroup's 256 V columns: (256, 64 keys, stage).
         sV_wg = cute.flat_divide(sV, (V_COLS, PAGE))[None, None, wg, 0, None]
         tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV_wg))
-        tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
-        # Where this warpgroup's P columns go in the shared P tile.
-        tPsP = thr_qk.partition_C(cute.flat_divide(sP, (ROWS, KEY_HALF))[None, None, 0, wg])
+        tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sPs))
+        tPsP = thr_qk.partition_C(sPs)
         acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((ROWS, V_COLS)))
         acc_O.fill(0.0)
         sO_wg = sO[None, None, wg]
         tOsO = thr_pv.partition_C(sO_wg)
+        # Set once, outside control flow: S starts from a zero fill.
         tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
-        acc_S_shape = thr_qk.partition_shape_C((ROWS, KEY_HALF))
+        tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+        acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((ROWS, PAGE)))
         acc_O_mn = wgmma_acc_as_rows_cols(acc_O)
+        acc_S_mn = wgmma_acc_as_rows_cols(acc_S)
         tOcO = wgmma_acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((ROWS, V_COLS))))
-        tScS = wgmma_acc_as_rows_cols(thr_qk.partition_C(cute.make_identity_tensor((ROWS, KEY_HALF))))
+        tScS = wgmma_acc_as_rows_cols(thr_qk.partition_C(cute.make_identity_tensor((ROWS, PAGE))))
         num_rows = cute.size(tScS, mode=[0])
         row_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         row_sum = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         factor = cute.make_rmem_tensor(num_rows, cutlass.Float32)
+        tile_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         row_max.fill(-cutlass.Float32.inf)
         row_sum.fill(0.0)
         # The last split-local key each of this thread's rows sees.
@@ -268,53 +306,136 @@ class MlaDecodeSm90:
             last_key[r] = cutlass.min(split.diagonal + token, split.kv_len - 1)
         # Keys up to this one are seen by every query row.
         shared_keys = cutlass.min(split.diagonal, split.kv_len - 1)
-        rP = cute.make_rmem_tensor(acc_S_shape, self.dtype)
+        rP = cute.make_rmem_tensor(acc_S.layout, self.dtype)
+        sMaxima = sRow[None, 1]
 
         kv_len, tiles = split.kv_len, split.tiles
         pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
-        for j in cutlass.range(tiles, unroll=1):
-            pipe_k.consumer_wait(kv_state)
-            acc_S = cute.make_rmem_tensor(acc_S_shape, cutlass.Float32)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, k != 0)
-                cute.gemm(tiled_mma_qk, acc_S, tSrQ[None, None, k],
-                          tSrK[None, None, k, kv_state.index], acc_S)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            acc_S_mn = wgmma_acc_as_rows_cols(acc_S)
-            first = j * PAGE
-            partial = first + PAGE - 1 > shared_keys
-            if partial:
+        # Page a of every pair sits in stage 0, page b in stage 1.
+        state_a = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        state_b = state_a.clone()
+        state_b.advance()
+        # Every pair hands over page a, and page b but in a last pair of one page.
+        hand_a, hand_b = hands
+        give = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        take = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        products = (tiled_mma_pv, acc_O, acc_O_mn, tOrP, tOrV, tOcO, sV_wg)
+        for i in cutlass.range(cute.ceil_div(tiles, 2), unroll=1):
+            first_a = 2 * i * PAGE
+            first_b = first_a + PAGE
+            has_b = first_b < kv_len
+            partial_a = first_a + PAGE - 1 > shared_keys
+            partial_b = first_b + PAGE - 1 > shared_keys
+            if wg == 0:
+                pipe_k.consumer_wait(state_a)
+                self._scores(tSrQ, tSrK, tiled_mma_qk, acc_S, acc_S_mn, tScS, 0, first_a,
+                             partial_a, last_key)
                 for r in cutlass.range_constexpr(num_rows):
-                    for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                        if first + wg * KEY_HALF + tScS[r, c][1] > last_key[r]:
-                            acc_S_mn[r, c] = -cutlass.Float32.inf
-            # Both warpgroups have read the page as K once this returns.
-            self._softmax(acc_S_mn, tScS, row_max, row_sum, factor, scale_log2, sRow, wg, tid)
-            rescale_rows(acc_O_mn, factor, True)
-            if partial:
-                self._clean_values(tid, wg, sV_wg, kv_state.index, acc_O_mn, tOcO, last_key,
-                                   first, shared_keys, kv_len)
-            store_converted(acc_S, rP)
-            cute.autovec_copy(rP, tPsP)
-            # The P writes must be visible to both warpgroups' WGMMAs (async proxy).
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=CONSUMERS * WG_THREADS)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-                cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, k],
-                          tOrV[None, None, k, kv_state.index], acc_O)
-            warpgroup.commit_group()
-            # Waited for before the next page's maxima are exchanged, so that
-            # nobody writes P while a P V product still reads it.
+                    update_row(acc_S_mn, r, tile_row_max(acc_S_mn, r, 1), row_max, row_sum,
+                               factor, scale_log2, True, 1)
+                self._publish(acc_S, rP, tPsP, 0, row_max, sMaxima, tScS, tid, hand_a, give)
+                self._page_product(products, factor, 0, first_a, partial_a, tid, wg, last_key,
+                                   shared_keys, kv_len)
+                if has_b:
+                    pipe_k.consumer_wait(state_b)
+                    self._adopt_max(sMaxima, 1, tScS, row_max, row_sum, factor, scale_log2,
+                                    hand_b, take)
+            else:
+                if has_b:
+                    pipe_k.consumer_wait(state_b)
+                    self._scores(tSrQ, tSrK, tiled_mma_qk, acc_S, acc_S_mn, tScS, 1, first_b,
+                                 partial_b, last_key)
+                    for r in cutlass.range_constexpr(num_rows):
+                        tile_max[r] = tile_row_max(acc_S_mn, r, 1)
+                pipe_k.consumer_wait(state_a)
+                self._adopt_max(sMaxima, 0, tScS, row_max, row_sum, factor, scale_log2, hand_a,
+                                take)
+                self._page_product(products, factor, 0, first_a, partial_a, tid, wg, last_key,
+                                   shared_keys, kv_len)
+                if has_b:
+                    for r in cutlass.range_constexpr(num_rows):
+                        update_row(acc_S_mn, r, tile_max[r], row_max, row_sum, factor,
+                                   scale_log2, True, 1)
+                    self._publish(acc_S, rP, tPsP, 1, row_max, sMaxima, tScS, tid, hand_b, give)
+            # Both consumers: page a's product done, then page b's (factor:
+            # from page a's maxima to page b's).
             warpgroup.wait_group(0)
-            pipe_k.consumer_release(kv_state)
-            kv_state.advance()
+            pipe_k.consumer_release(state_a)
+            if has_b:
+                self._page_product(products, factor, 1, first_b, partial_b, tid, wg, last_key,
+                                   shared_keys, kv_len)
+                warpgroup.wait_group(0)
+                pipe_k.consumer_release(state_b)
+            state_a.advance(KV_STAGES)
+            state_b.advance(KV_STAGES)
+            give.advance()
+            take.advance()
 
         self._store(tid, wg, acc_O, acc_O_mn, tOsO, tScS, row_max, row_sum, scale_log2, sO_wg,
-                    sRow, tma_o, mO, mLSE, split, heads, rows, row_tile, out_idx)
+                    sRow[None, 0], tma_o, mO, mLSE, split, heads, rows, row_tile, out_idx)
+
+    @cute.jit
+    def _scores(self, tSrQ, tSrK, tiled_mma_qk, acc_S, acc_S_mn, tScS, stage, first, partial,
+                last_key):
+        """S = Q K^T of the page in `stage` (its first split-local key
+        `first`), keys a row does not see masked to -inf."""
+        acc_S.fill(0.0)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            cute.gemm(tiled_mma_qk, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        if partial:
+            for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                    if first + tScS[r, c][1] > last_key[r]:
+                        acc_S_mn[r, c] = -cutlass.Float32.inf
+
+    @cute.jit
+    def _publish(self, acc_S, rP, tPsP, stage, row_max, sMaxima, tScS, tid, hand, give):
+        """P (in the page's RoPE columns, which only its own S read) and the
+        running maxima (sMaxima's half `stage`) to the other consumer,
+        visible to its WGMMA."""
+        hand.producer_acquire(give)
+        store_converted(acc_S, rP)
+        cute.autovec_copy(rP, tPsP[None, None, None, stage])
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            if tid % 4 == 0:
+                sMaxima[stage * ROWS + tScS[r, 0][0]] = row_max[r]
+        cute.arch.fence_proxy("async.shared", space="cta")
+        hand.producer_commit(give)
+
+    @cute.jit
+    def _adopt_max(self, sMaxima, stage, tScS, row_max, row_sum, factor, scale_log2, hand, take):
+        """Waits for the other consumer's page in `stage` and takes its
+        running maxima: factor[r] is what this consumer's O and row sums are
+        rescaled by (exactly 1 where the maximum did not move, 0 from -inf)."""
+        hand.consumer_wait(take)
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            new_max = sMaxima[stage * ROWS + tScS[r, 0][0]]
+            factor[r] = cutlass.Float32(1.0)
+            if new_max != -cutlass.Float32.inf:
+                factor[r] = cute.arch.exp2((row_max[r] - new_max) * scale_log2)
+            row_sum[r] = row_sum[r] * factor[r]
+            row_max[r] = new_max
+        hand.consumer_release(take)
+
+    @cute.jit
+    def _page_product(self, products, factor, stage, first, partial, tid, wg, last_key,
+                      shared_keys, kv_len):
+        """O rescaled by factor, then O += P V of the page in `stage` (this
+        consumer's V columns; issued, not waited for), the values of a page
+        with keys not every row sees cleaned first."""
+        tiled_mma_pv, acc_O, acc_O_mn, tOrP, tOrV, tOcO, sV_wg = products
+        rescale_rows(acc_O_mn, factor, True)
+        if partial:
+            self._clean_values(tid, wg, sV_wg, stage, acc_O_mn, tOcO, last_key, first,
+                               shared_keys, kv_len)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, k, stage],
+                      tOrV[None, None, k, stage], acc_O)
+        warpgroup.commit_group()
 
     @cute.jit
     def _exchange(self, values, op, tScS, sRow, wg, tid):
@@ -330,27 +451,14 @@ class MlaDecodeSm90:
             values[r] = op(values[r], sRow[(1 - wg) * ROWS + tScS[r, 0][0]])
 
     @cute.jit
-    def _softmax(self, acc_S_mn, tScS, row_max, row_sum, factor, scale_log2, sRow, wg, tid):
-        """The online softmax of fwd_sm90 (conditional rescaling included)
-        over a page whose keys are split between the consumers: the page's
-        row maxima are exchanged, each keeps the sum of its own keys' P."""
-        num_rows = cute.size(acc_S_mn, mode=[0])
-        tile_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
-        for r in cutlass.range_constexpr(num_rows):
-            tile_max[r] = tile_row_max(acc_S_mn, r, 1)
-        self._exchange(tile_max, cute.arch.fmax, tScS, sRow, wg, tid)
-        for r in cutlass.range_constexpr(num_rows):
-            update_row(acc_S_mn, r, tile_max[r], row_max, row_sum, factor, scale_log2, True, 1)
-
-    @cute.jit
     def _clean_values(self, tid, wg, sV_wg, stage, acc_O_mn, tOcO, last_key, first, shared_keys,
                       kv_len):
         """The V values of a tile's keys that not every row sees: a
         non-finite one makes the output column NaN for the rows that see its
         key, then it is zeroed in shared memory (as are the slots past the
-        cache), so that P = 0 times it cannot reach the other rows. Both
-        consumers have read the tile as K first; each cleans its own
-        columns."""
+        cache), so that P = 0 times it cannot reach the other rows. The
+        page's S product has read the tile as K first; each consumer cleans
+        its own columns."""
         band_end = cutlass.min(kv_len, first + PAGE)
         for key in cutlass.range(cutlass.max(shared_keys + 1, first), band_end, unroll=1):
             for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):

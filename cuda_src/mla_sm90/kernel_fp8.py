@@ -8,13 +8,15 @@ token and head, by jax_flash._mla_fp8.quantize_rows before the call, so
 their codes are those of the XLA reference bit for bit): codes [B, R, 512],
 scales [B, R], RoPE [B, R, 64]. The CTA layout is kernel.py's: a CTA serves
 64 packed query rows (s_q x heads) of one sequence and one split of its
-keys, the producer warpgroup loads, two consumer warpgroups compute.
+keys, the producer warpgroup loads, two consumer warpgroups compute. Unlike
+kernel.py's seesaw, the consumers here work on every page in lockstep, each
+on half of its keys (S) and half of O's columns (P V).
 
 Per page (64 keys), with sq the rows' scales and sk the keys':
 
   S   = sq * sk * (Q codes . latent codes)      FP8 WGMMA, scales in registers
       + Q RoPE . page RoPE                      bfloat16 WGMMA, same accumulator
-  P   = exp(S * scale - running max)            the online softmax of kernel.py
+  P   = exp(S * scale - running max)            the online softmax of fwd_sm90
   Pk  = P * sk, requantised per row over the page's 64 keys: codes
         e4m3(Pk / sp), sp = amax(Pk) / 448
   O  += sp * (P codes . latent codes)           FP8 WGMMA
@@ -43,7 +45,6 @@ times them reaches no other row.
 """
 
 import math
-import operator
 
 import cuda.bindings.driver as cuda
 
@@ -56,12 +57,13 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..common.dsl_common import LOG2E, wgmma_acc_as_rows_cols
 from ..common.nonfinite import is_nonfinite
-from ..fwd_sm90.online_softmax import quad_allreduce
+from ..fwd_sm90.online_softmax import quad_allreduce, tile_row_max, update_row
 from .fp8_ops import PAGE_LAYOUT, STAGE_BYTES, V_LAYOUT, rcp_rn, transpose_page
-from .kernel import (BAR_CONSUMERS, BAR_OWN, CONSUMERS, KEY_HALF, KV_STAGES, LATENT, LN2, PAGE,
-                    ROWS, V_COLS, WG_THREADS, MlaDecodeSm90, SplitProblem)
+from .kernel import (BAR_CONSUMERS, CONSUMERS, KV_STAGES, LATENT, PAGE, ROWS, V_COLS, WG_THREADS,
+                     MlaDecodeSm90, SplitProblem)
 
 ROPE = 64  # RoPE columns
+KEY_HALF = PAGE // CONSUMERS  # S columns (keys) per consumer warpgroup
 FP8_MAX = 448.0
 # Warps 1-3 of the producer warpgroup transpose the pages (warp 0 loads).
 TRANSPOSER_WARPS = 3
@@ -434,6 +436,19 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
 
         self._store(tid, wg, acc_O, acc_O_mn, tOsO, tScS, row_max, row_sum, scale_log2, sO_wg,
                     sRow_max, tma_o, mO, mLSE, split, heads, rows, row_tile, out_idx, unit=unit)
+
+    @cute.jit
+    def _softmax(self, acc_S_mn, tScS, row_max, row_sum, factor, scale_log2, sRow, wg, tid):
+        """The online softmax of fwd_sm90 (conditional rescaling included)
+        over a page whose keys are split between the consumers: the page's
+        row maxima are exchanged, each keeps the sum of its own keys' P."""
+        num_rows = cute.size(acc_S_mn, mode=[0])
+        tile_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
+        for r in cutlass.range_constexpr(num_rows):
+            tile_max[r] = tile_row_max(acc_S_mn, r, 1)
+        self._exchange(tile_max, cute.arch.fmax, tScS, sRow, wg, tid)
+        for r in cutlass.range_constexpr(num_rows):
+            update_row(acc_S_mn, r, tile_max[r], row_max, row_sum, factor, scale_log2, True, 1)
 
     @cute.jit
     def _requantize_p(self, acc_S_mn, acc_O_mn, key_scale, factor, p_amax, unit, largest, tScS,
