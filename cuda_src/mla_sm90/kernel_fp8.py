@@ -8,9 +8,13 @@ token and head, by jax_flash._mla_fp8.quantize_rows before the call, so
 their codes are those of the XLA reference bit for bit): codes [B, R, 512],
 scales [B, R], RoPE [B, R, 64]. The CTA layout is kernel.py's: a CTA serves
 64 packed query rows (s_q x heads) of one sequence and one split of its
-keys, the producer warpgroup loads, two consumer warpgroups compute. Unlike
-kernel.py's seesaw, the consumers here work on every page in lockstep, each
-on half of its keys (S) and half of O's columns (P V).
+keys, the producer warpgroup loads, two consumer warpgroups compute in
+kernel.py's seesaw over pairs of pages: each computes S of one page of the
+pair (all 64 keys), requantises that page's P and hands the codes to the
+other with its rows' running state (maximum, O's unit, largest unit), and
+each multiplies both pages' P codes by its half of V. The P codes have a
+tile per page of a pair, released by the receiving consumer once its
+product has read them.
 
 Per page (64 keys), with sq the rows' scales and sk the keys':
 
@@ -59,11 +63,10 @@ from ..common.dsl_common import LOG2E, wgmma_acc_as_rows_cols
 from ..common.nonfinite import is_nonfinite
 from ..fwd_sm90.online_softmax import quad_allreduce, tile_row_max, update_row
 from .fp8_ops import PAGE_LAYOUT, STAGE_BYTES, V_LAYOUT, rcp_rn, transpose_page
-from .kernel import (BAR_CONSUMERS, CONSUMERS, KV_STAGES, LATENT, PAGE, ROWS, V_COLS, WG_THREADS,
+from .kernel import (CONSUMERS, KV_STAGES, LATENT, PAGE, ROWS, V_COLS, WG_THREADS,
                      MlaDecodeSm90, SplitProblem)
 
 ROPE = 64  # RoPE columns
-KEY_HALF = PAGE // CONSUMERS  # S columns (keys) per consumer warpgroup
 FP8_MAX = 448.0
 # Warps 1-3 of the producer warpgroup transpose the pages (warp 0 loads).
 TRANSPOSER_WARPS = 3
@@ -76,6 +79,10 @@ CONSUMER_REGS = 232
 # used, nor below the smallest normal float32 (see the module docstring).
 UNIT_FLOOR = 2.0 ** -64
 MIN_NORMAL = 2.0 ** -126
+# Columns of the per-row shared storage: the row sums exchanged at the end,
+# and what one consumer hands the other with a page's P (running maximum,
+# O's unit, largest unit used).
+SUMS, HAND_MAX, HAND_UNIT, HAND_LARGEST = range(4)
 
 
 class MlaDecodeFp8Sm90(MlaDecodeSm90):
@@ -111,7 +118,7 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
         mma = lambda dt, n: sm90_utils.make_trivial_tiled_mma(
             dt, dt, k_major, k_major, cutlass.Float32, (1, 1, 1), (ROWS, n),
             warpgroup.OperandSource.SMEM)
-        tiled_mma_lat, tiled_mma_rope, tiled_mma_pv = mma(fp8, KEY_HALF), mma(bf16, KEY_HALF), mma(
+        tiled_mma_lat, tiled_mma_rope, tiled_mma_pv = mma(fp8, PAGE), mma(bf16, PAGE), mma(
             fp8, V_COLS)
         row_major = LayoutEnum.ROW_MAJOR
         sQ_layout = sm90_utils.make_smem_layout_a(row_major, (ROWS, PAGE, LATENT), fp8, 1)
@@ -119,7 +126,8 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
         sL_layout = sm90_utils.make_smem_layout_b(row_major, (ROWS, PAGE, LATENT), fp8, KV_STAGES)
         sR_layout = sm90_utils.make_smem_layout_b(row_major, (ROWS, PAGE, ROPE), bf16, KV_STAGES)
         sV_layout = sm90_utils.make_smem_layout_b(row_major, (ROWS, LATENT, PAGE), fp8, KV_STAGES)
-        sP_layout = sm90_utils.make_smem_layout_a(row_major, (ROWS, V_COLS, PAGE), fp8, 1)
+        # One P tile per page of a pair (the seesaw's hand-overs).
+        sP_layout = sm90_utils.make_smem_layout_a(row_major, (ROWS, V_COLS, PAGE), fp8, 2)
         # O leaves through the V tiles' memory (64 KiB), each consumer's half as one stage.
         sO_layout = sm90_utils.make_smem_layout_a(row_major, (ROWS, PAGE, V_COLS), bf16, CONSUMERS)
         sS_layout = cute.make_layout((PAGE, KV_STAGES))
@@ -146,6 +154,8 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * KV_STAGES]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * KV_STAGES]
+            # The seesaw's hand-overs of a pair's first and second page.
+            mbar_hand: cute.struct.MemRange[cutlass.Int64, 2 * 2]
             sQ: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sQ_layout)], 1024]
             sQR: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sQR_layout)], 1024]
             sL: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sL_layout)], 1024]
@@ -153,9 +163,8 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
             sV: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sV_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sP_layout)], 1024]
             sS: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, PAGE * KV_STAGES], 128]
-            # Per consumer, a value per row: the exchanged maxima (and
-            # sums), and the exchanged P amaxima.
-            sRow: cute.struct.MemRange[cutlass.Float32, 2 * CONSUMERS * ROWS]
+            # Per row and consumer (SUMS) or page of a pair (HAND_*).
+            sRow: cute.struct.MemRange[cutlass.Float32, 4 * CONSUMERS * ROWS]
 
         self.q_bytes = (cute.size_in_bytes(fp8, stage(sQ_layout))
                         + cute.size_in_bytes(bf16, stage(sQR_layout)))
@@ -243,6 +252,12 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                      CONSUMERS * WG_THREADS),
             defer_sync=True)
+        # One consumer's P and running state to the other: page a of each
+        # pair from consumer 0, page b from consumer 1.
+        consumer = pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS)
+        hands = [pipeline.PipelineAsync.create(
+            barrier_storage=storage.mbar_hand.data_ptr() + 2 * page, num_stages=1,
+            producer_group=consumer, consumer_group=consumer, defer_sync=True) for page in range(2)]
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -255,8 +270,8 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
                 self._transpose_pages(warp_idx - 1, tidx % 32, smem, pipe_k, pipe_v, split)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self._consume_fp8(tidx % WG_THREADS, wg_idx - 1, smem, pipe_q, pipe_k, pipe_v, mmas,
-                              tma_o, mO, mQScales, mLSE, split, scale * LOG2E, heads, rows,
+            self._consume_fp8(tidx % WG_THREADS, wg_idx - 1, smem, pipe_q, pipe_k, pipe_v, hands,
+                              mmas, tma_o, mO, mQScales, mLSE, split, scale * LOG2E, heads, rows,
                               row_tile, out_idx)
 
     @cute.jit
@@ -315,52 +330,46 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
             v_state.advance()
 
     @cute.jit
-    def _consume_fp8(self, tid, wg, smem, pipe_q, pipe_k, pipe_v, mmas, tma_o, mO, mQScales,
-                     mLSE, split, scale_log2, heads, rows, row_tile, out_idx):
+    def _consume_fp8(self, tid, wg, smem, pipe_q, pipe_k, pipe_v, hands, mmas, tma_o, mO,
+                     mQScales, mLSE, split, scale_log2, heads, rows, row_tile, out_idx):
+        """kernel.py's seesaw over pairs of pages (a, b): consumer 0 computes
+        S of a, consumer 1 S of b (each the whole page), each requantises its
+        page's P with the page's own scale and hands the codes over with its
+        running state; each multiplies both pages' P codes by its half of
+        V, rescaling O in between (to the new maximum and the new unit)."""
         tiled_mma_lat, tiled_mma_rope, tiled_mma_pv = mmas
         thr_lat = tiled_mma_lat.get_slice(tid)
         thr_rope = tiled_mma_rope.get_slice(tid)
         thr_pv = tiled_mma_pv.get_slice(tid)
-        # This warpgroup's 32 keys of each page: (32, columns, stage).
-        keys_of = lambda s, width: cute.flat_divide(s, (KEY_HALF, width))[None, None, wg, 0, None]
         tSrQ = thr_lat.make_fragment_A(thr_lat.partition_A(smem.q[None, None, 0]))
-        tSrL = thr_lat.make_fragment_B(thr_lat.partition_B(keys_of(smem.latent, LATENT)))
+        tSrL = thr_lat.make_fragment_B(thr_lat.partition_B(smem.latent))
         tSrQR = thr_rope.make_fragment_A(thr_rope.partition_A(smem.q_rope[None, None, 0]))
-        tSrR = thr_rope.make_fragment_B(thr_rope.partition_B(keys_of(smem.rope, ROPE)))
+        tSrR = thr_rope.make_fragment_B(thr_rope.partition_B(smem.rope))
         # This warpgroup's 256 V columns: (256, 64 keys, stage).
         sV_wg = cute.flat_divide(smem.v, (V_COLS, PAGE))[None, None, wg, 0, None]
         tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV_wg))
         tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(smem.p))
-        # Where this warpgroup's P columns go in the shared P tile.
-        tPsP = thr_lat.partition_C(cute.flat_divide(smem.p, (ROWS, KEY_HALF))[None, None, 0, wg])
+        tPsP = thr_lat.partition_C(smem.p)
         acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((ROWS, V_COLS)))
         acc_O.fill(0.0)
         sO_wg = smem.o[None, None, wg]
         tOsO = thr_pv.partition_C(sO_wg)
+        # Set once, outside control flow: S starts from a zero fill.
         tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+        tiled_mma_lat.set(warpgroup.Field.ACCUMULATE, True)
         tiled_mma_rope.set(warpgroup.Field.ACCUMULATE, True)
-        acc_S_shape = thr_lat.partition_shape_C((ROWS, KEY_HALF))
+        acc_S = thr_lat.make_fragment_C(thr_lat.partition_shape_C((ROWS, PAGE)))
         acc_O_mn = wgmma_acc_as_rows_cols(acc_O)
-        tScS = wgmma_acc_as_rows_cols(
-            thr_lat.partition_C(cute.make_identity_tensor((ROWS, KEY_HALF))))
+        acc_S_mn = wgmma_acc_as_rows_cols(acc_S)
+        tScS = wgmma_acc_as_rows_cols(thr_lat.partition_C(cute.make_identity_tensor((ROWS, PAGE))))
         num_rows = cute.size(tScS, mode=[0])
         num_cols = cute.size(tScS, mode=[1])
-        row_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
-        row_sum = cute.make_rmem_tensor(num_rows, cutlass.Float32)
-        factor = cute.make_rmem_tensor(num_rows, cutlass.Float32)
-        p_amax = cute.make_rmem_tensor(num_rows, cutlass.Float32)
-        # O's unit (the current page's P scale) and the largest unit used,
-        # in the current running maximum's terms.
-        unit = cute.make_rmem_tensor(num_rows, cutlass.Float32)
-        largest = cute.make_rmem_tensor(num_rows, cutlass.Float32)
-        row_scale = cute.make_rmem_tensor(num_rows, cutlass.Float32)
+        state = RowState(num_rows)
         key_scale = cute.make_rmem_tensor(num_cols, cutlass.Float32)
-        row_max.fill(-cutlass.Float32.inf)
-        row_sum.fill(0.0)
-        unit.fill(1.0)
-        largest.fill(0.0)
+        tile_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         # The last split-local key each of this thread's rows sees, and its query scale.
         last_key = cute.make_rmem_tensor(num_rows, cutlass.Int32)
+        row_scale = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         for r in cutlass.range_constexpr(num_rows):
             row = row_tile * ROWS + tScS[r, 0][0]
             last_key[r] = cutlass.min(split.diagonal + row // heads, split.kv_len - 1)
@@ -369,96 +378,127 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
                 row_scale[r] = mQScales[split.sequence, row]
         # Keys up to this one are seen by every query row.
         shared_keys = cutlass.min(split.diagonal, split.kv_len - 1)
-        rP = cute.make_rmem_tensor(acc_S_shape, cutlass.Float8E4M3FN)
-        sRow_max = smem.row[None, 0]
-        sRow_amax = smem.row[None, 1]
+        rP = cute.make_rmem_tensor(acc_S.layout, cutlass.Float8E4M3FN)
+        scores = (tiled_mma_lat, tiled_mma_rope, tSrQ, tSrL, tSrQR, tSrR, acc_S, acc_S_mn, tScS,
+                  row_scale, key_scale, smem.scales)
+        products = (tiled_mma_pv, acc_O, acc_O_mn, tOrP, tOrV)
+        sHand = smem.row
 
         pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
-        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
-        for j in cutlass.range(split.tiles, unroll=1):
-            pipe_k.consumer_wait(kv_state)
-            stage = kv_state.index
-            acc_S = cute.make_rmem_tensor(acc_S_shape, cutlass.Float32)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                tiled_mma_lat.set(warpgroup.Field.ACCUMULATE, k != 0)
-                cute.gemm(tiled_mma_lat, acc_S, tSrQ[None, None, k], tSrL[None, None, k, stage],
-                          acc_S)
-            warpgroup.commit_group()
+        # Page a of every pair sits in stage 0 (its V tile too), page b in stage 1.
+        k_a = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        k_b = k_a.clone()
+        k_b.advance()
+        v_a = k_a.clone()
+        v_b = k_b.clone()
+        hand_a, hand_b = hands
+        give = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        take = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        for i in cutlass.range(cute.ceil_div(split.tiles, 2), unroll=1):
+            first_a = 2 * i * PAGE
+            first_b = first_a + PAGE
+            has_b = first_b < split.kv_len
+            if wg == 0:
+                pipe_k.consumer_wait(k_a)
+                self._scores_fp8(scores, 0, first_a, first_a + PAGE - 1 > shared_keys, last_key)
+                for r in cutlass.range_constexpr(num_rows):
+                    tile_max[r] = tile_row_max(acc_S_mn, r, 1)
+                self._requantize_p(acc_S_mn, tile_max, key_scale, state, scale_log2)
+                self._publish_fp8(acc_S, rP, tPsP, 0, state, sHand, tScS, tid, hand_a, give)
+                pipe_v.consumer_wait(v_a)
+                # Page a's stage is done with: its S product has completed,
+                # its key scales are read, and the transposition has read
+                # the codes (V tile full), so the next load may start.
+                pipe_k.consumer_release(k_a)
+                self._product_fp8(products, state.rescale, 0, v_a.index)
+                if has_b:
+                    self._adopt(sHand, 1, tScS, state, scale_log2, hand_b, take)
+            else:
+                if has_b:
+                    pipe_k.consumer_wait(k_b)
+                    self._scores_fp8(scores, 1, first_b, first_b + PAGE - 1 > shared_keys,
+                                     last_key)
+                    for r in cutlass.range_constexpr(num_rows):
+                        tile_max[r] = tile_row_max(acc_S_mn, r, 1)
+                self._adopt(sHand, 0, tScS, state, scale_log2, hand_a, take)
+                pipe_v.consumer_wait(v_a)
+                pipe_k.consumer_release(k_a)
+                self._product_fp8(products, state.rescale, 0, v_a.index)
+                if has_b:
+                    self._requantize_p(acc_S_mn, tile_max, key_scale, state, scale_log2)
+                    self._publish_fp8(acc_S, rP, tPsP, 1, state, sHand, tScS, tid, hand_b, give)
+            # Both consumers: page a's product done (its P tile free for the
+            # next pair once the receiving consumer says so), then page b's.
             warpgroup.wait_group(0)
-            acc_S_mn = wgmma_acc_as_rows_cols(acc_S)
+            pipe_v.consumer_release(v_a)
+            if wg == 1:
+                hand_a.consumer_release(take)
+            if has_b:
+                pipe_v.consumer_wait(v_b)
+                pipe_k.consumer_release(k_b)
+                self._product_fp8(products, state.rescale, 1, v_b.index)
+                warpgroup.wait_group(0)
+                pipe_v.consumer_release(v_b)
+                if wg == 0:
+                    hand_b.consumer_release(take)
+            k_a.advance(KV_STAGES)
+            k_b.advance(KV_STAGES)
+            v_a.advance(KV_STAGES)
+            v_b.advance(KV_STAGES)
+            give.advance()
+            take.advance()
+
+        self._store(tid, wg, acc_O, acc_O_mn, tOsO, tScS, state.max, state.sum, scale_log2, sO_wg,
+                    sHand[None, SUMS], tma_o, mO, mLSE, split, heads, rows, row_tile, out_idx,
+                    unit=state.unit)
+
+    @cute.jit
+    def _scores_fp8(self, scores, stage, first, partial, last_key):
+        """S = sq * sk * (Q codes . latent codes) + Q RoPE . page RoPE of the
+        page in `stage` (its first split-local key `first`): a non-finite
+        logit made NaN, then the keys a row does not see masked to -inf.
+        Leaves the page's key scales in key_scale."""
+        (tiled_mma_lat, tiled_mma_rope, tSrQ, tSrL, tSrQR, tSrR, acc_S, acc_S_mn, tScS, row_scale,
+         key_scale, sScales) = scores
+        num_rows = cute.size(acc_S_mn, mode=[0])
+        num_cols = cute.size(acc_S_mn, mode=[1])
+        acc_S.fill(0.0)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            cute.gemm(tiled_mma_lat, acc_S, tSrQ[None, None, k], tSrL[None, None, k, stage], acc_S)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        for c in cutlass.range_constexpr(num_cols):
+            key_scale[c] = sScales[tScS[0, c][1], stage]
+        for r in cutlass.range_constexpr(num_rows):
             for c in cutlass.range_constexpr(num_cols):
-                key_scale[c] = smem.scales[wg * KEY_HALF + tScS[0, c][1], stage]
+                acc_S_mn[r, c] = acc_S_mn[r, c] * row_scale[r] * key_scale[c]
+        # The RoPE product joins the scaled latent one in the accumulator.
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tSrQR, mode=[2])):
+            cute.gemm(tiled_mma_rope, acc_S, tSrQR[None, None, k], tSrR[None, None, k, stage], acc_S)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        for i in cutlass.range_constexpr(cute.size(acc_S)):
+            if is_nonfinite(acc_S[i]):
+                acc_S[i] = cutlass.Float32(math.nan)
+        if partial:
             for r in cutlass.range_constexpr(num_rows):
                 for c in cutlass.range_constexpr(num_cols):
-                    acc_S_mn[r, c] = acc_S_mn[r, c] * row_scale[r] * key_scale[c]
-            # The RoPE product joins the scaled latent one in the accumulator.
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(cute.size(tSrQR, mode=[2])):
-                cute.gemm(tiled_mma_rope, acc_S, tSrQR[None, None, k], tSrR[None, None, k, stage],
-                          acc_S)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            for i in cutlass.range_constexpr(cute.size(acc_S)):
-                if is_nonfinite(acc_S[i]):
-                    acc_S[i] = cutlass.Float32(math.nan)
-            first = j * PAGE
-            if first + PAGE - 1 > shared_keys:
-                for r in cutlass.range_constexpr(num_rows):
-                    for c in cutlass.range_constexpr(num_cols):
-                        if first + wg * KEY_HALF + tScS[r, c][1] > last_key[r]:
-                            acc_S_mn[r, c] = -cutlass.Float32.inf
-            self._softmax(acc_S_mn, tScS, row_max, row_sum, factor, scale_log2, sRow_max, wg, tid)
-            self._requantize_p(acc_S_mn, acc_O_mn, key_scale, factor, p_amax, unit, largest, tScS,
-                               sRow_amax, wg, tid)
-            rP.store(acc_S.load().to(cutlass.Float8E4M3FN))
-            cute.autovec_copy(rP, tPsP)
-            # The P writes must be visible to both warpgroups' WGMMAs (async proxy).
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=CONSUMERS * WG_THREADS)
-            pipe_v.consumer_wait(v_state)
-            # The page's stage is done with: this warp's S product has
-            # completed, its key scales are read, and the transposition has
-            # read the codes (V tile full), so the next load may start under P V.
-            pipe_k.consumer_release(kv_state)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-                cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, k],
-                          tOrV[None, None, k, v_state.index], acc_O)
-            warpgroup.commit_group()
-            # Waited for before the next page's maxima are exchanged, so that
-            # nobody writes P while a P V product still reads it.
-            warpgroup.wait_group(0)
-            pipe_v.consumer_release(v_state)
-            kv_state.advance()
-            v_state.advance()
-
-        self._store(tid, wg, acc_O, acc_O_mn, tOsO, tScS, row_max, row_sum, scale_log2, sO_wg,
-                    sRow_max, tma_o, mO, mLSE, split, heads, rows, row_tile, out_idx, unit=unit)
+                    if first + tScS[r, c][1] > last_key[r]:
+                        acc_S_mn[r, c] = -cutlass.Float32.inf
 
     @cute.jit
-    def _softmax(self, acc_S_mn, tScS, row_max, row_sum, factor, scale_log2, sRow, wg, tid):
-        """The online softmax of fwd_sm90 (conditional rescaling included)
-        over a page whose keys are split between the consumers: the page's
-        row maxima are exchanged, each keeps the sum of its own keys' P."""
-        num_rows = cute.size(acc_S_mn, mode=[0])
-        tile_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
-        for r in cutlass.range_constexpr(num_rows):
-            tile_max[r] = tile_row_max(acc_S_mn, r, 1)
-        self._exchange(tile_max, cute.arch.fmax, tScS, sRow, wg, tid)
-        for r in cutlass.range_constexpr(num_rows):
-            update_row(acc_S_mn, r, tile_max[r], row_max, row_sum, factor, scale_log2, True, 1)
-
-    @cute.jit
-    def _requantize_p(self, acc_S_mn, acc_O_mn, key_scale, factor, p_amax, unit, largest, tScS,
-                      sRow_amax, wg, tid):
-        """P <- the codes' values of P * sk in units of the page's P scale
-        (amax over the page's 64 keys, exchanged between the consumers), and
-        O rescaled from the previous unit (and maximum) to this one."""
+    def _requantize_p(self, acc_S_mn, tile_max, key_scale, state, scale_log2):
+        """The online softmax step over the page (fwd_sm90's, conditional
+        rescaling included), then P <- the codes' values of P * sk in units
+        of the page's P scale (amax over its 64 keys / 448): state.rescale
+        takes O from the previous unit (and maximum) to this one."""
         num_rows = cute.size(acc_S_mn, mode=[0])
         num_cols = cute.size(acc_S_mn, mode=[1])
         for r in cutlass.range_constexpr(num_rows):
+            update_row(acc_S_mn, r, tile_max[r], state.max, state.sum, state.factor, scale_log2,
+                       True, 1)
             amax = cutlass.Float32(0.0)
             for c in cutlass.range_constexpr(num_cols):
                 p = acc_S_mn[r, c]
@@ -466,21 +506,89 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
                 pk = cutlass.Float32(0.0) if p == 0.0 else p * key_scale[c]
                 acc_S_mn[r, c] = pk
                 amax = cute.arch.fmax(amax, cute.arch.fmax(pk, -pk))
-            p_amax[r] = quad_allreduce(amax, cute.arch.fmax)
-        self._exchange(p_amax, cute.arch.fmax, tScS, sRow_amax, wg, tid)
-        for r in cutlass.range_constexpr(num_rows):
-            p_scale = p_amax[r] * cutlass.Float32(1.0 / FP8_MAX)
-            largest[r] = cute.arch.fmax(largest[r] * factor[r], p_scale)
-            new_unit = cute.arch.fmax(cute.arch.fmax(p_scale, largest[r] * UNIT_FLOOR), MIN_NORMAL)
-            inverse = rcp_rn(new_unit)
-            # In this order the product stays within 2^64 (new_unit is at
-            # least 2^-64 of factor * the old unit), and a factor of 0 gives 0.
-            rescale = (factor[r] * unit[r]) * inverse
-            unit[r] = new_unit
+            p_scale = quad_allreduce(amax, cute.arch.fmax) * cutlass.Float32(1.0 / FP8_MAX)
+            state.largest[r] = cute.arch.fmax(state.largest[r] * state.factor[r], p_scale)
+            new_unit = cute.arch.fmax(cute.arch.fmax(p_scale, state.largest[r] * UNIT_FLOOR),
+                                      MIN_NORMAL)
+            inverse = state.move_unit(r, new_unit)
             for c in cutlass.range_constexpr(num_cols):
                 acc_S_mn[r, c] = acc_S_mn[r, c] * inverse
+
+    @cute.jit
+    def _publish_fp8(self, acc_S, rP, tPsP, stage, state, sHand, tScS, tid, hand, give):
+        """The page's P codes (P tile `stage`) and the rows' running state
+        to the other consumer, visible to its WGMMA."""
+        hand.producer_acquire(give)
+        rP.store(acc_S.load().to(cutlass.Float8E4M3FN))
+        cute.autovec_copy(rP, tPsP[None, None, None, stage])
+        for r in cutlass.range_constexpr(cute.size(state.max)):
+            if tid % 4 == 0:
+                row = stage * ROWS + tScS[r, 0][0]
+                sHand[row, HAND_MAX] = state.max[r]
+                sHand[row, HAND_UNIT] = state.unit[r]
+                sHand[row, HAND_LARGEST] = state.largest[r]
+        cute.arch.fence_proxy("async.shared", space="cta")
+        hand.producer_commit(give)
+
+    @cute.jit
+    def _adopt(self, sHand, stage, tScS, state, scale_log2, hand, take):
+        """Waits for the other consumer's page in `stage` and takes its rows'
+        running state: state.rescale is what O is multiplied by before that
+        page's product (the same bits as the other consumer's). The P tile
+        is released after the product (by the caller)."""
+        hand.consumer_wait(take)
+        row_max, factor = state.max, state.factor
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            row = stage * ROWS + tScS[r, 0][0]
+            new_max = sHand[row, HAND_MAX]
+            factor[r] = cutlass.Float32(1.0)
+            if new_max != -cutlass.Float32.inf:
+                factor[r] = cute.arch.exp2((row_max[r] - new_max) * scale_log2)
+            state.sum[r] = state.sum[r] * factor[r]
+            row_max[r] = new_max
+            state.largest[r] = sHand[row, HAND_LARGEST]
+            state.move_unit(r, sHand[row, HAND_UNIT])
+
+    @cute.jit
+    def _product_fp8(self, products, rescale, stage, v_stage):
+        """O rescaled row by row, then O += P codes . V codes of P tile
+        `stage` and V tile `v_stage` (this consumer's columns; issued, not
+        waited for)."""
+        tiled_mma_pv, acc_O, acc_O_mn, tOrP, tOrV = products
+        for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                acc_O_mn[r, c] = acc_O_mn[r, c] * rescale
+                acc_O_mn[r, c] = acc_O_mn[r, c] * rescale[r]
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, k, stage],
+                      tOrV[None, None, k, v_stage], acc_O)
+        warpgroup.commit_group()
+
+
+class RowState:
+    """Per row of a thread: the online softmax's running maximum, sum of
+    this consumer's P and last factor; O's unit (the current page's P scale)
+    and the largest unit used, in the current maximum's terms; and what O
+    is multiplied by before the next product."""
+
+    def __init__(self, num_rows):
+        make = lambda: cute.make_rmem_tensor(num_rows, cutlass.Float32)
+        self.max, self.sum, self.factor = make(), make(), make()
+        self.unit, self.largest, self.rescale = make(), make(), make()
+        self.max.fill(-cutlass.Float32.inf)
+        self.sum.fill(0.0)
+        self.unit.fill(1.0)
+        self.largest.fill(0.0)
+
+    def move_unit(self, r, new_unit):
+        """O's unit of row r becomes new_unit: rescale[r] = factor * old
+        unit / new unit. Returns 1 / new_unit."""
+        inverse = rcp_rn(new_unit)
+        # In this order the product stays within 2^64 (new_unit is at least
+        # 2^-64 of factor * the old unit), and a factor of 0 gives 0.
+        self.rescale[r] = (self.factor[r] * self.unit[r]) * inverse
+        self.unit[r] = new_unit
+        return inverse
 
 
 class SmemTiles:
@@ -493,10 +601,10 @@ class SmemTiles:
         self.latent = storage.sL.get_tensor(sL.outer, swizzle=sL.inner)
         self.rope = storage.sR.get_tensor(sR.outer, swizzle=sR.inner)
         self.v = storage.sV.get_tensor(sV.outer, swizzle=sV.inner)
-        self.p = storage.sP.get_tensor(sP.outer, swizzle=sP.inner)[None, None, 0]
+        self.p = storage.sP.get_tensor(sP.outer, swizzle=sP.inner)
         self.o = storage.sV.get_tensor(sO.outer, swizzle=sO.inner, dtype=cutlass.BFloat16)
         self.scales = storage.sS.get_tensor(sS)
         # Byte addresses for the transposition (fp8_ops computes the swizzle).
         self.latent_base = storage.sL.data_ptr()
         self.v_base = storage.sV.data_ptr()
-        self.row = storage.sRow.get_tensor(cute.make_layout((CONSUMERS * ROWS, 2)))
+        self.row = storage.sRow.get_tensor(cute.make_layout((CONSUMERS * ROWS, 4)))
