@@ -33,6 +33,7 @@ HEAD_DIM = LATENT_DIM + ROPE_DIM
 PAGE_SIZE = 64
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
+MIN_SCALE = 2.0 ** -126  # the smallest normal float32: a scale's inverse stays finite
 ROPE_DTYPE = jnp.dtype(jnp.bfloat16)
 # Keys per requantisation block of P: the kernel's key tile.
 P_BLOCK_KEYS = PAGE_SIZE
@@ -68,15 +69,18 @@ def quantize_rows(x):
   """``(values, scales)`` with ``x ~= values * scales[..., None]``: each row
   (last axis) in float8_e4m3fn, its largest magnitude mapped to about 448.
 
-  ``scale = amax * (1 / 448)`` (1 for a zero row) and ``values =
+  ``scale = max(amax * (1 / 448), 2^-126)`` (1 for a zero row; the smallest
+  normal float32 keeps ``1 / scale`` finite for rows of tiny values, such as
+  the attention weights of keys far below a row's maximum) and ``values =
   e4m3(x * (1 / scale))``, saturating, rounding to nearest even: each step
   one IEEE float32 operation, written as XLA would rewrite a division by a
   constant or a broadcast anyway, so that XLA on any platform, numpy and a
-  kernel (``rcp.rn``, ``cvt.rn.satfinite``) produce the same bits. A NaN in a
+  kernel (``rcp.rn``, ``cvt.rn.satfinite``) produce the same bits (for
+  inputs without subnormal values, which XLA may flush to zero). A NaN in a
   row makes that row's values NaN."""
   x = jnp.asarray(x, jnp.float32)
   amax = jnp.max(jnp.abs(x), axis=-1)
-  scales = jnp.where(amax > 0, amax * jnp.float32(1 / FP8_MAX), 1.0)
+  scales = jnp.where(amax > 0, jnp.maximum(amax * jnp.float32(1 / FP8_MAX), MIN_SCALE), 1.0)
   inverse = 1 / scales
   values = jnp.clip(x * inverse[..., None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
   return values, scales

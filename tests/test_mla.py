@@ -3,10 +3,10 @@ RoPE-aware per-token format): the maths against float64 references in
 numpy, the FP8 scheme's pieces, page placement, poisoned unused slots, batch
 invariance, tensor-parallel heads, the cache writes and the errors.
 
-The module-level checks run the XLA composition; MlaKernelChecks, the
-kernels' checks through the same helpers with implementation="flash", run on
-the Hopper kernels (test_mla_gpu.py, both formats; skipped without a Hopper
-GPU) and on the CPU kernel (test_mla_cpu.py, both formats)."""
+The module-level checks run the XLA composition; mla_kernel_checks.py holds
+the kernels' checks through the same helpers with implementation="flash",
+run on the Hopper kernels (test_mla_gpu.py, both formats; skipped without a
+Hopper GPU) and on the CPU kernel (test_mla_cpu.py, both formats)."""
 
 import functools
 import json
@@ -41,7 +41,7 @@ def numpy_quantize(x):
   x = np.asarray(x, np.float32)
   amax = np.max(np.abs(x), axis=-1)
   with np.errstate(invalid="ignore", divide="ignore"):
-    scales = np.where(amax > 0, amax * np.float32(1 / 448), np.float32(1)).astype(np.float32)
+    scales = np.where(amax > 0, np.maximum(amax * np.float32(1 / 448), mla_fp8.MIN_SCALE), 1)
     codes = np.clip(x * (np.float32(1) / scales)[..., None], -448, 448).astype(E4M3)
   return codes, scales
 
@@ -205,6 +205,34 @@ def assert_matches(got, inputs, rows, label, fp8_floor=jnp.float32):
 # Awkward lengths with decode (s_q 1) and speculative (s_q 2) rows, one
 # sequence with fewer new tokens than the batch's rows, one empty slot.
 BATCHES = [([1, 17, 1000, 4097], [1, 2, 1, 2]), ([17, 300, 64], [2, 0, 1])]
+# (sequence, page) pairs whose keys with_dominant_pages makes dominant, for
+# make_batch(.., [1000, 4097, 300], ..): at a split's start (GPU splits of
+# 1024 keys), inside one, first and second page of a pair (the Hopper
+# kernels' consumers alternate pages), a sequence's last.
+DOMINANT_PAGES = ([1000, 4097, 300], [1, 2, 2], [(0, 0), (1, 13), (1, 20), (2, 3), (2, 4)])
+
+
+def with_dominant_pages(inputs, rows, pages, gain=128.0):
+  """inputs and rows with the RoPE columns of the (sequence, page) pairs
+  ``pages`` times ``gain`` (a power of two: exact in either format): those
+  keys' logits spread to about +-200 where the others stay within +-6, so
+  the running maximum jumps on them and the other pages' weights fall far
+  below the largest (under float32's smallest normal: P's requantisation
+  scale must stay finite there)."""
+  rows = [r.copy() for r in rows]
+  table = np.asarray(inputs["page_table"])
+  cache = inputs["cache"]
+  fp8 = isinstance(cache, mla.MlaFp8Cache)
+  rope = np.array((cache.rope if fp8 else cache[..., LATENT:]).astype(jnp.float32))
+  for b, page in pages:
+    keys = slice(page * PAGE, min((page + 1) * PAGE, len(rows[b])))
+    rows[b][keys, LATENT:] *= gain
+    rope[table[b, page], :keys.stop - keys.start] = rows[b][keys, LATENT:]
+  if fp8:
+    cache = cache._replace(rope=jnp.asarray(rope, cache.rope.dtype))
+  else:
+    cache = cache.at[..., LATENT:].set(jnp.asarray(rope, cache.dtype))
+  return dict(inputs, cache=cache), rows
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
@@ -215,6 +243,13 @@ def test_matches_float64(fp8):
     assert_matches(got, inputs, rows, f"{lengths} {new}")
     if fp8:
       assert_within_fp8_error_of_unquantised(got[0], inputs, rows)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_pages_far_apart_in_weight(fp8):
+  lengths, new, pages = DOMINANT_PAGES
+  inputs, rows = with_dominant_pages(*make_batch(31, lengths, new, fp8=fp8), pages)
+  assert_matches(run(inputs), inputs, rows, "dominant pages")
 
 
 def assert_within_fp8_error_of_unquantised(out, inputs, rows):
@@ -585,116 +620,3 @@ def test_benchmark_scripts_run_on_cpu(tmp_path):
   assert set(rows) == set(mla_accuracy.SCHEMES)
   assert (rows["fp8_rope_aware_dequantized"]["out_max_error"]
           < rows["fp8_naive_dequantized"]["out_max_error"] / 2)
-
-
-class MlaKernelChecks:
-  """What jax_flash's MLA kernels satisfy (implementation="flash"):
-  test_mla_gpu.py runs them on the Hopper kernels, test_mla_cpu.TestMlaCpu on
-  the CPU kernel. conftest.py parametrises the tests' dtype from ``dtypes``,
-  the cache formats (float8_e4m3fn: the MlaFp8Cache, bfloat16 queries);
-  ``fp8_floor``: the rounding floor of the FP8 cache's comparisons
-  (assert_matches)."""
-  dtypes = (jnp.bfloat16, jnp.float16)
-  fp8_floor = jnp.float32
-
-  def run(self, inputs, **kwargs):
-    return run(inputs, implementation="flash", **kwargs)
-
-  @staticmethod
-  def batch(seed, lengths, new, dtype, **kwargs):
-    fp8 = jnp.dtype(dtype) == mla_fp8.FP8_DTYPE
-    return make_batch(seed, lengths, new, fp8=fp8, dtype=jnp.bfloat16 if fp8 else dtype,
-                      **kwargs)
-
-  def test_matches_float64(self, dtype):
-    for lengths, new in BATCHES:
-      inputs, rows = self.batch(len(lengths), lengths, new, dtype)
-      assert_matches(self.run(inputs), inputs, rows, f"{lengths} {new}", self.fp8_floor)
-
-  @pytest.mark.parametrize("heads, s_q", [
-      (16, 1), (16, 2), (128, 2), pytest.param(64, 1, marks=pytest.mark.slow),
-      pytest.param(64, 2, marks=pytest.mark.slow), pytest.param(128, 1, marks=pytest.mark.slow)])
-  def test_heads_and_speculative_rows(self, dtype, heads, s_q):
-    # 4097 keys: GPU splits of 1024 or 2048 keys, the last of one key; 300: 5 pages.
-    lengths = [4097, 1000, 17, 1, 300]
-    new = [s_q, 1, s_q, 1, s_q]
-    inputs, rows = self.batch(heads + s_q, lengths, new, dtype, heads=heads)
-    assert_matches(self.run(inputs), inputs, rows, f"heads {heads} s_q {s_q}", self.fp8_floor)
-
-  def test_batch_invariant(self, dtype):
-    """A sequence's rows bitwise: alone and in another slot of a larger
-    batch, its pages elsewhere in a larger pool, beside longer sequences
-    (more splits) and another table width."""
-    batch = self.batch(9, [70, 9000, 3000, 1], [1, 2, 2, 1], dtype, spare_pages=20,
-                       heads=128)[0]
-    alone = self.batch(8, [3000], [2], dtype, heads=128)[0]
-    got_alone = self.run(alone)
-    got_mixed = self.run(place_sequence(batch, 2, alone))
-    np.testing.assert_array_equal(got_mixed[0][2], got_alone[0][0])
-    np.testing.assert_array_equal(got_mixed[1][2], got_alone[1][0])
-
-  def test_kv_split_size(self, dtype):
-    """Other split sizes (4097 keys in 22 splits of 192: three pages each)
-    match the reference, and a sequence's rows are bitwise the same alone and
-    in a batch with each (a split longer than every table: one split)."""
-    inputs, rows = self.batch(44, [4097, 1000, 17, 1], [2, 1, 2, 1], dtype, heads=16)
-    for size in (192, 4096):
-      assert_matches(self.run(inputs, kv_split_size=size), inputs, rows,
-                     f"kv_split_size {size}", self.fp8_floor)
-    batch = self.batch(9, [70, 9000, 3000, 1], [1, 2, 2, 1], dtype, spare_pages=20, heads=16)[0]
-    alone = self.batch(8, [3000], [2], dtype, heads=16)[0]
-    mixed = place_sequence(batch, 2, alone)
-    for size in (128, 1 << 20):
-      got_alone, got_mixed = (self.run(x, kv_split_size=size) for x in (alone, mixed))
-      np.testing.assert_array_equal(got_mixed[0][2], got_alone[0][0])
-      np.testing.assert_array_equal(got_mixed[1][2], got_alone[1][0])
-
-  def test_unseen_positions_never_reach_results(self, dtype):
-    inputs, _ = self.batch(12, [1000, 300, 5, 4097], [2, 1, 0, 2], dtype)
-    clean = dict(inputs, q=finite_or_zero(inputs["q"]), cache=finite_or_zero(inputs["cache"]))
-    got, want = self.run(inputs), self.run(clean)
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1])
-    assert np.isfinite(got[0]).all()
-
-  def test_visible_nan_reaches_exactly_the_rows_that_see_it(self, dtype):
-    """A non-finite value in token 999 of sequence 0, visible to its second
-    row only; in the FP8 cache in each part: a NaN scale or code, an Inf of
-    either sign in a RoPE column (a logit of -inf would otherwise just hide
-    the key)."""
-    inputs, _ = self.batch(21, [1000, 90], [2, 1], dtype)
-    page, row = int(inputs["page_table"][0, 999 // PAGE]), 999 % PAGE
-    cache = inputs["cache"]
-    if isinstance(cache, mla.MlaFp8Cache):
-      poisoned = [cache._replace(scales=cache.scales.at[page, row].set(jnp.nan)),
-                  cache._replace(latent=cache.latent.at[page, row, 7].set(jnp.nan)),
-                  cache._replace(rope=cache.rope.at[page, row, 3].set(jnp.inf)),
-                  cache._replace(rope=cache.rope.at[page, row, 3].set(-jnp.inf))]
-    else:
-      poisoned = [cache.at[page, row, 5].set(jnp.nan)]
-    clean_out, clean_lse = self.run(inputs)
-    for cache in poisoned:
-      out, lse = self.run(dict(inputs, cache=cache))
-      # The row that sees token 999 (the first is token 998), every head: all NaN.
-      assert np.isnan(out[0, 1]).all() and np.isnan(lse[0, :, 1]).all()
-      out[0, 1], lse[0, :, 1] = clean_out[0, 1], clean_lse[0, :, 1]
-      np.testing.assert_array_equal(out, clean_out)
-      np.testing.assert_array_equal(lse, clean_lse)
-
-  def test_sinks(self, dtype):
-    for lengths, new in BATCHES:
-      inputs, rows = self.batch(33, lengths, new, dtype)
-      inputs["sinks"] = sink_values(16, 33)
-      if isinstance(inputs["cache"], mla.MlaFp8Cache):  # the sinks join after the kernel
-        assert_sinks_join_after_the_merge(self.run, inputs)
-      else:
-        assert_matches(self.run(inputs), inputs, rows, f"sinks {lengths} {new}")
-
-  def test_rows_without_keys(self, dtype):
-    inputs, _ = self.batch(13, [0, 50], [0, 1], dtype, heads=16, spare_pages=1)
-    inputs["query_lengths"] = jnp.asarray([0, 1], jnp.int32)
-    inputs["q"] = jnp.ones((2, 2, 16, WIDTH), inputs["q"].dtype)
-    out, lse = self.run(inputs)
-    assert np.all(out[0] == 0) and np.all(lse[0] == -np.inf)
-    assert np.all(out[1, 1] == 0) and np.all(lse[1, :, 1] == -np.inf)
-    assert np.isfinite(out[1, 0]).all()

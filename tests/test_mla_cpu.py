@@ -11,7 +11,8 @@ import pytest
 
 import jax_flash
 from jax_flash import _mla as mla
-from test_mla import SCALE, MlaKernelChecks, assert_matches, make_batch, run
+from mla_kernel_checks import MlaKernelChecks
+from test_mla import SCALE, assert_matches, make_batch, run
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute")
 

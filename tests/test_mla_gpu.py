@@ -14,8 +14,9 @@ import pytest
 import jax_flash
 import numerics
 from jax_flash import _mla as mla
-from test_mla import (BATCHES, LATENT, SCALE, MlaKernelChecks,
-                      assert_within_fp8_error_of_unquantised, make_batch, naive_fp8, run)
+from mla_kernel_checks import MlaKernelChecks
+from test_mla import (BATCHES, LATENT, SCALE, assert_within_fp8_error_of_unquantised, make_batch,
+                      naive_fp8, run)
 
 
 @pytest.mark.gpu

@@ -71,12 +71,13 @@ inline float round_to_e4m3(float x) {
 }
 
 // mla_fp8.quantize_rows on x[0, n): x becomes its codes' values; returns the
-// scale, amax / 448 (1 for a zero row). A NaN (or Inf) makes the row's codes
-// NaN, as in XLA.
+// scale, max(amax / 448, the smallest normal float) (1 for a zero row). A NaN
+// (or Inf) makes the row's codes NaN, as in XLA.
 inline float quantize_row(float* x, int n) {
   float amax = 0.0f;
   for (int i = 0; i < n; ++i) amax = max_or_nan(std::fabs(x[i]), amax);
-  const float scale = amax > 0.0f ? amax * (1.0f / kFp8Max) : 1.0f;
+  const float scale =
+      amax > 0.0f ? std::max(amax * (1.0f / kFp8Max), std::numeric_limits<float>::min()) : 1.0f;
   const float inverse = 1.0f / scale;
   for (int i = 0; i < n; ++i) {
     const float y = x[i] * inverse;
