@@ -380,16 +380,10 @@ class MlaDecodeSm90:
         """S = Q K^T of the page in `stage` (its first split-local key
         `first`), keys a row does not see masked to -inf."""
         acc_S.fill(0.0)
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-            cute.gemm(tiled_mma_qk, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
-        warpgroup.commit_group()
+        issue_product(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, stage])
         warpgroup.wait_group(0)
         if partial:
-            for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-                for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                    if first + tScS[r, c][1] > last_key[r]:
-                        acc_S_mn[r, c] = -cutlass.Float32.inf
+            mask_unseen_keys(acc_S_mn, tScS, first, last_key)
 
     @cute.jit
     def _publish(self, acc_S, rP, tPsP, stage, row_max, sMaxima, tScS, tid, hand, give):
@@ -431,11 +425,8 @@ class MlaDecodeSm90:
         if partial:
             self._clean_values(tid, wg, sV_wg, stage, acc_O_mn, tOcO, last_key, first,
                                shared_keys, kv_len)
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-            cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, k, stage],
-                      tOrV[None, None, k, stage], acc_O)
-        warpgroup.commit_group()
+        issue_product(tiled_mma_pv, acc_O, tOrP[None, None, None, stage],
+                      tOrV[None, None, None, stage])
 
     @cute.jit
     def _exchange(self, values, op, tScS, sRow, wg, tid):
@@ -523,6 +514,26 @@ class MlaDecodeSm90:
             cute.copy(tma_o, tOsO_tma, tOgO)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+@cute.jit
+def issue_product(tiled_mma, acc, tA, tB):
+    """acc += A B over the K blocks of the fragments tA (values, M, K) and
+    tB (values, N, K), issued as one WGMMA group, not waited for."""
+    warpgroup.fence()
+    for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+        cute.gemm(tiled_mma, acc, tA[None, None, k], tB[None, None, k], acc)
+    warpgroup.commit_group()
+
+
+@cute.jit
+def mask_unseen_keys(acc_S_mn, tScS, first, last_key):
+    """S to -inf where a row does not see the key: the tile's keys start at
+    split-local key `first`, row r sees up to last_key[r]."""
+    for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+            if first + tScS[r, c][1] > last_key[r]:
+                acc_S_mn[r, c] = -cutlass.Float32.inf
 
 
 class SplitProblem:

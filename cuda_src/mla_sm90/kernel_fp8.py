@@ -64,7 +64,7 @@ from ..common.nonfinite import is_nonfinite
 from ..fwd_sm90.online_softmax import quad_allreduce, tile_row_max, update_row
 from .fp8_ops import PAGE_LAYOUT, STAGE_BYTES, V_LAYOUT, rcp_rn, transpose_page
 from .kernel import (CONSUMERS, KV_STAGES, LATENT, PAGE, ROWS, V_COLS, WG_THREADS,
-                     MlaDecodeSm90, SplitProblem)
+                     MlaDecodeSm90, SplitProblem, issue_product, mask_unseen_keys)
 
 ROPE = 64  # RoPE columns
 FP8_MAX = 448.0
@@ -463,10 +463,7 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
         num_rows = cute.size(acc_S_mn, mode=[0])
         num_cols = cute.size(acc_S_mn, mode=[1])
         acc_S.fill(0.0)
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-            cute.gemm(tiled_mma_lat, acc_S, tSrQ[None, None, k], tSrL[None, None, k, stage], acc_S)
-        warpgroup.commit_group()
+        issue_product(tiled_mma_lat, acc_S, tSrQ, tSrL[None, None, None, stage])
         warpgroup.wait_group(0)
         for c in cutlass.range_constexpr(num_cols):
             key_scale[c] = sScales[tScS[0, c][1], stage]
@@ -474,19 +471,13 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
             for c in cutlass.range_constexpr(num_cols):
                 acc_S_mn[r, c] = acc_S_mn[r, c] * row_scale[r] * key_scale[c]
         # The RoPE product joins the scaled latent one in the accumulator.
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(tSrQR, mode=[2])):
-            cute.gemm(tiled_mma_rope, acc_S, tSrQR[None, None, k], tSrR[None, None, k, stage], acc_S)
-        warpgroup.commit_group()
+        issue_product(tiled_mma_rope, acc_S, tSrQR, tSrR[None, None, None, stage])
         warpgroup.wait_group(0)
         for i in cutlass.range_constexpr(cute.size(acc_S)):
             if is_nonfinite(acc_S[i]):
                 acc_S[i] = cutlass.Float32(math.nan)
         if partial:
-            for r in cutlass.range_constexpr(num_rows):
-                for c in cutlass.range_constexpr(num_cols):
-                    if first + tScS[r, c][1] > last_key[r]:
-                        acc_S_mn[r, c] = -cutlass.Float32.inf
+            mask_unseen_keys(acc_S_mn, tScS, first, last_key)
 
     @cute.jit
     def _requantize_p(self, acc_S_mn, tile_max, key_scale, state, scale_log2):
@@ -558,11 +549,8 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
         for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                 acc_O_mn[r, c] = acc_O_mn[r, c] * rescale[r]
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-            cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, k, stage],
-                      tOrV[None, None, k, v_stage], acc_O)
-        warpgroup.commit_group()
+        issue_product(tiled_mma_pv, acc_O, tOrP[None, None, None, stage],
+                      tOrV[None, None, None, v_stage])
 
 
 class RowState:
