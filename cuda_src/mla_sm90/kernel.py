@@ -315,7 +315,7 @@ class MlaDecodeSm90:
         state_a = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
         state_b = state_a.clone()
         state_b.advance()
-        # Every pair hands over page a, and page b but in a last pair of one page.
+        # Every pair hands page a over, and page b unless it is a last pair of one page.
         hand_a, hand_b = hands
         give = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         take = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
