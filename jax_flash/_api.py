@@ -192,7 +192,7 @@ def attention(q, k, v, *, causal: bool = False, window=None, scale: float | None
       their own length on Hopper, giving ``paged_attention``'s result on the
       same cache, and not at all elsewhere. That costs speed where the grid
       split would have filled the GPU: up to 4x for one sequence of 4k keys,
-      1-4% at batch 64 (docs/history.md). XLA gives no such guarantee, so
+      1-4% at batch 64 (docs/history-serving.md). XLA gives no such guarantee, so
       calls no kernel serves raise ``NotImplementedError``.
     return_lse: also return the log-sum-exp of the scaled, masked logits,
       float32 ``[batch, heads_q, seq_q]``, the sink included (``-inf`` for

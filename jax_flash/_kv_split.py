@@ -20,7 +20,7 @@ seq_k a multiple of 16), goes through the paged kernel, which splits every
 in a fixed order (``paged.merge_splits``): the result is bitwise that of
 ``paged_attention`` on the same cache, whatever else is in the batch and
 however long the cache buffer is. Elsewhere the keys are not split. Either
-costs speed where the grid split would have filled the GPU (docs/history.md:
+costs speed where the grid split would have filled the GPU (docs/history-serving.md:
 the measurements). In both paths the partial outputs are rounded to the
 input dtype before the merge.
 """
@@ -34,7 +34,7 @@ from jax_flash import _configs as configs
 from jax_flash._call import MaskOperands, sink_operand
 
 # Grid splits (H100, bench_decode.py, batch 8, 32 / 4 heads, hd128; the
-# numbers in docs/history.md, "Decoding"): from 1024 keys a split step beat
+# numbers in docs/history-serving.md, "Decoding"): from 1024 keys a split step beat
 # the whole one (1k: 0.0107 against 0.0133 ms), 128-key chunks were no
 # faster than 256, and aiming at one wave of CTAs beat two and half a wave:
 # each CTA streams its chunk from one prologue, so fewer, longer CTAs win
@@ -45,7 +45,7 @@ MAX_PARTS = 32
 
 # Keys per split of the batch-invariant path: paged_attention's default
 # kv_split_size, so that a contiguous cache and the same cache in pages give
-# bitwise the same results (the sweep behind it: docs/history.md).
+# bitwise the same results (the sweep behind it: docs/history-serving.md).
 KEYS_PER_SPLIT = 4096
 # The paged kernel's page granularity (cuda_src/fwd_sm90: paged_kv.PAGE_BOX).
 PAGE_ROWS = 16

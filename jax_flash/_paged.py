@@ -51,7 +51,7 @@ _PAGE_ALIGN = 16
 _MAX_PAGE_SIZE = 256
 # Keys per split (see kv_split_size): of 1024, 2048 and 4096 the fastest, or
 # within 0.2% of it, at every decode shape measured, 2k to 128k keys, batch 1
-# to 256, and for 2048-token prefill chunks (H200; docs/history.md).
+# to 256, and for 2048-token prefill chunks (H200; docs/history-serving.md).
 DEFAULT_KV_SPLIT_SIZE = 4096
 
 
