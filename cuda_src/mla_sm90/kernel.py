@@ -328,11 +328,11 @@ class MlaDecodeSm90:
             partial_b = first_b + PAGE - 1 > shared_keys
             if wg == 0:
                 pipe_k.consumer_wait(state_a)
-                self._scores(tSrQ, tSrK, tiled_mma_qk, acc_S, acc_S_mn, tScS, 0, first_a,
-                             partial_a, last_key)
+                self._scores(tSrQ, tSrK, tiled_mma_qk, acc_S, acc_S_mn, tScS, tile_max, 0,
+                             first_a, partial_a, last_key)
                 for r in cutlass.range_constexpr(num_rows):
-                    update_row(acc_S_mn, r, tile_row_max(acc_S_mn, r, 1), row_max, row_sum,
-                               factor, scale_log2, True, 1)
+                    update_row(acc_S_mn, r, tile_max[r], row_max, row_sum, factor, scale_log2,
+                               True, 1)
                 self._publish(acc_S, rP, tPsP, 0, row_max, sMaxima, tScS, tid, hand_a, give)
                 self._page_product(products, factor, 0, first_a, partial_a, tid, wg, last_key,
                                    shared_keys, kv_len)
@@ -343,10 +343,8 @@ class MlaDecodeSm90:
             else:
                 if has_b:
                     pipe_k.consumer_wait(state_b)
-                    self._scores(tSrQ, tSrK, tiled_mma_qk, acc_S, acc_S_mn, tScS, 1, first_b,
-                                 partial_b, last_key)
-                    for r in cutlass.range_constexpr(num_rows):
-                        tile_max[r] = tile_row_max(acc_S_mn, r, 1)
+                    self._scores(tSrQ, tSrK, tiled_mma_qk, acc_S, acc_S_mn, tScS, tile_max, 1,
+                                 first_b, partial_b, last_key)
                 pipe_k.consumer_wait(state_a)
                 self._adopt_max(sMaxima, 0, tScS, row_max, row_sum, factor, scale_log2, hand_a,
                                 take)
@@ -375,15 +373,18 @@ class MlaDecodeSm90:
                     sRow[None, 0], tma_o, mO, mLSE, split, heads, rows, row_tile, out_idx)
 
     @cute.jit
-    def _scores(self, tSrQ, tSrK, tiled_mma_qk, acc_S, acc_S_mn, tScS, stage, first, partial,
-                last_key):
+    def _scores(self, tSrQ, tSrK, tiled_mma_qk, acc_S, acc_S_mn, tScS, tile_max, stage, first,
+                partial, last_key):
         """S = Q K^T of the page in `stage` (its first split-local key
-        `first`), keys a row does not see masked to -inf."""
+        `first`), keys a row does not see masked to -inf; its row maxima in
+        tile_max."""
         acc_S.fill(0.0)
         issue_product(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, stage])
         warpgroup.wait_group(0)
         if partial:
             mask_unseen_keys(acc_S_mn, tScS, first, last_key)
+        for r in cutlass.range_constexpr(cute.size(tile_max)):
+            tile_max[r] = tile_row_max(acc_S_mn, r, 1)
 
     @cute.jit
     def _publish(self, acc_S, rP, tPsP, stage, row_max, sMaxima, tScS, tid, hand, give):

@@ -380,17 +380,16 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
         shared_keys = cutlass.min(split.diagonal, split.kv_len - 1)
         rP = cute.make_rmem_tensor(acc_S.layout, cutlass.Float8E4M3FN)
         scores = (tiled_mma_lat, tiled_mma_rope, tSrQ, tSrL, tSrQR, tSrR, acc_S, acc_S_mn, tScS,
-                  row_scale, key_scale, smem.scales)
+                  row_scale, key_scale, tile_max, smem.scales)
         products = (tiled_mma_pv, acc_O, acc_O_mn, tOrP, tOrV)
         sHand = smem.row
 
         pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-        # Page a of every pair sits in stage 0 (its V tile too), page b in stage 1.
-        k_a = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
-        k_b = k_a.clone()
-        k_b.advance()
-        v_a = k_a.clone()
-        v_b = k_b.clone()
+        # Page a of every pair sits in stage 0, page b in stage 1; their V
+        # tiles move through pipe_v's stages in the same steps.
+        page_a = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        page_b = page_a.clone()
+        page_b.advance()
         hand_a, hand_b = hands
         give = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         take = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -399,52 +398,46 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
             first_b = first_a + PAGE
             has_b = first_b < split.kv_len
             if wg == 0:
-                pipe_k.consumer_wait(k_a)
+                pipe_k.consumer_wait(page_a)
                 self._scores_fp8(scores, 0, first_a, first_a + PAGE - 1 > shared_keys, last_key)
-                for r in cutlass.range_constexpr(num_rows):
-                    tile_max[r] = tile_row_max(acc_S_mn, r, 1)
                 self._requantize_p(acc_S_mn, tile_max, key_scale, state, scale_log2)
                 self._publish_fp8(acc_S, rP, tPsP, 0, state, sHand, tScS, tid, hand_a, give)
-                pipe_v.consumer_wait(v_a)
+                pipe_v.consumer_wait(page_a)
                 # Page a's stage is done with: its S product has completed,
                 # its key scales are read, and the transposition has read
                 # the codes (V tile full), so the next load may start.
-                pipe_k.consumer_release(k_a)
-                self._product_fp8(products, state.rescale, 0, v_a.index)
+                pipe_k.consumer_release(page_a)
+                self._product_fp8(products, state.rescale, 0)
                 if has_b:
                     self._adopt(sHand, 1, tScS, state, scale_log2, hand_b, take)
             else:
                 if has_b:
-                    pipe_k.consumer_wait(k_b)
+                    pipe_k.consumer_wait(page_b)
                     self._scores_fp8(scores, 1, first_b, first_b + PAGE - 1 > shared_keys,
                                      last_key)
-                    for r in cutlass.range_constexpr(num_rows):
-                        tile_max[r] = tile_row_max(acc_S_mn, r, 1)
                 self._adopt(sHand, 0, tScS, state, scale_log2, hand_a, take)
-                pipe_v.consumer_wait(v_a)
-                pipe_k.consumer_release(k_a)
-                self._product_fp8(products, state.rescale, 0, v_a.index)
+                pipe_v.consumer_wait(page_a)
+                pipe_k.consumer_release(page_a)
+                self._product_fp8(products, state.rescale, 0)
                 if has_b:
                     self._requantize_p(acc_S_mn, tile_max, key_scale, state, scale_log2)
                     self._publish_fp8(acc_S, rP, tPsP, 1, state, sHand, tScS, tid, hand_b, give)
             # Both consumers: page a's product done (its P tile free for the
             # next pair once the receiving consumer says so), then page b's.
             warpgroup.wait_group(0)
-            pipe_v.consumer_release(v_a)
+            pipe_v.consumer_release(page_a)
             if wg == 1:
                 hand_a.consumer_release(take)
             if has_b:
-                pipe_v.consumer_wait(v_b)
-                pipe_k.consumer_release(k_b)
-                self._product_fp8(products, state.rescale, 1, v_b.index)
+                pipe_v.consumer_wait(page_b)
+                pipe_k.consumer_release(page_b)
+                self._product_fp8(products, state.rescale, 1)
                 warpgroup.wait_group(0)
-                pipe_v.consumer_release(v_b)
+                pipe_v.consumer_release(page_b)
                 if wg == 0:
                     hand_b.consumer_release(take)
-            k_a.advance(KV_STAGES)
-            k_b.advance(KV_STAGES)
-            v_a.advance(KV_STAGES)
-            v_b.advance(KV_STAGES)
+            page_a.advance(KV_STAGES)
+            page_b.advance(KV_STAGES)
             give.advance()
             take.advance()
 
@@ -457,9 +450,9 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
         """S = sq * sk * (Q codes . latent codes) + Q RoPE . page RoPE of the
         page in `stage` (its first split-local key `first`): a non-finite
         logit made NaN, then the keys a row does not see masked to -inf.
-        Leaves the page's key scales in key_scale."""
+        Leaves the page's key scales in key_scale, its row maxima in tile_max."""
         (tiled_mma_lat, tiled_mma_rope, tSrQ, tSrL, tSrQR, tSrR, acc_S, acc_S_mn, tScS, row_scale,
-         key_scale, sScales) = scores
+         key_scale, tile_max, sScales) = scores
         num_rows = cute.size(acc_S_mn, mode=[0])
         num_cols = cute.size(acc_S_mn, mode=[1])
         acc_S.fill(0.0)
@@ -478,6 +471,8 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
                 acc_S[i] = cutlass.Float32(math.nan)
         if partial:
             mask_unseen_keys(acc_S_mn, tScS, first, last_key)
+        for r in cutlass.range_constexpr(num_rows):
+            tile_max[r] = tile_row_max(acc_S_mn, r, 1)
 
     @cute.jit
     def _requantize_p(self, acc_S_mn, tile_max, key_scale, state, scale_log2):
@@ -541,16 +536,15 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
             state.move_unit(r, sHand[row, HAND_UNIT])
 
     @cute.jit
-    def _product_fp8(self, products, rescale, stage, v_stage):
-        """O rescaled row by row, then O += P codes . V codes of P tile
-        `stage` and V tile `v_stage` (this consumer's columns; issued, not
-        waited for)."""
+    def _product_fp8(self, products, rescale, stage):
+        """O rescaled row by row, then O += P codes . V codes of the page in
+        `stage` (this consumer's columns; issued, not waited for)."""
         tiled_mma_pv, acc_O, acc_O_mn, tOrP, tOrV = products
         for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                 acc_O_mn[r, c] = acc_O_mn[r, c] * rescale[r]
         issue_product(tiled_mma_pv, acc_O, tOrP[None, None, None, stage],
-                      tOrV[None, None, None, v_stage])
+                      tOrV[None, None, None, stage])
 
 
 class RowState:
