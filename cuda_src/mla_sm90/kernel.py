@@ -220,13 +220,7 @@ class MlaDecodeSm90:
             producer_group=producer_group,
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * CONSUMERS),
             tx_count=self.k_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
-        # One consumer's P and running maxima to the other: page a of each
-        # pair from consumer 0, page b from consumer 1 (mbarriers: each
-        # thread's own writes are released by its own arrive).
-        consumer = pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS)
-        hands = [pipeline.PipelineAsync.create(
-            barrier_storage=storage.mbar_hand.data_ptr() + 2 * page, num_stages=1,
-            producer_group=consumer, consumer_group=consumer, defer_sync=True) for page in range(2)]
+        hands = hand_over_pipelines(storage.mbar_hand.data_ptr())
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -311,14 +305,9 @@ class MlaDecodeSm90:
 
         kv_len, tiles = split.kv_len, split.tiles
         pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-        # Page a of every pair sits in stage 0, page b in stage 1.
-        state_a = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
-        state_b = state_a.clone()
-        state_b.advance()
+        page_a, page_b, give, take = seesaw_states()
         # Every pair hands page a over, and page b unless it is a last pair of one page.
         hand_a, hand_b = hands
-        give = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        take = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         products = (tiled_mma_pv, acc_O, acc_O_mn, tOrP, tOrV, tOcO, sV_wg)
         for i in cutlass.range(cute.ceil_div(tiles, 2), unroll=1):
             first_a = 2 * i * PAGE
@@ -327,7 +316,7 @@ class MlaDecodeSm90:
             partial_a = first_a + PAGE - 1 > shared_keys
             partial_b = first_b + PAGE - 1 > shared_keys
             if wg == 0:
-                pipe_k.consumer_wait(state_a)
+                pipe_k.consumer_wait(page_a)
                 self._scores(tSrQ, tSrK, tiled_mma_qk, acc_S, acc_S_mn, tScS, tile_max, 0,
                              first_a, partial_a, last_key)
                 for r in cutlass.range_constexpr(num_rows):
@@ -337,15 +326,15 @@ class MlaDecodeSm90:
                 self._page_product(products, factor, 0, first_a, partial_a, tid, wg, last_key,
                                    shared_keys, kv_len)
                 if has_b:
-                    pipe_k.consumer_wait(state_b)
+                    pipe_k.consumer_wait(page_b)
                     self._adopt_max(sMaxima, 1, tScS, row_max, row_sum, factor, scale_log2,
                                     hand_b, take)
             else:
                 if has_b:
-                    pipe_k.consumer_wait(state_b)
+                    pipe_k.consumer_wait(page_b)
                     self._scores(tSrQ, tSrK, tiled_mma_qk, acc_S, acc_S_mn, tScS, tile_max, 1,
                                  first_b, partial_b, last_key)
-                pipe_k.consumer_wait(state_a)
+                pipe_k.consumer_wait(page_a)
                 self._adopt_max(sMaxima, 0, tScS, row_max, row_sum, factor, scale_log2, hand_a,
                                 take)
                 self._page_product(products, factor, 0, first_a, partial_a, tid, wg, last_key,
@@ -358,14 +347,14 @@ class MlaDecodeSm90:
             # Both consumers: page a's product done, then page b's (factor:
             # from page a's maxima to page b's).
             warpgroup.wait_group(0)
-            pipe_k.consumer_release(state_a)
+            pipe_k.consumer_release(page_a)
             if has_b:
                 self._page_product(products, factor, 1, first_b, partial_b, tid, wg, last_key,
                                    shared_keys, kv_len)
                 warpgroup.wait_group(0)
-                pipe_k.consumer_release(state_b)
-            state_a.advance(KV_STAGES)
-            state_b.advance(KV_STAGES)
+                pipe_k.consumer_release(page_b)
+            page_a.advance(KV_STAGES)
+            page_b.advance(KV_STAGES)
             give.advance()
             take.advance()
 
@@ -515,6 +504,29 @@ class MlaDecodeSm90:
             cute.copy(tma_o, tOsO_tma, tOgO)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+def hand_over_pipelines(barriers):
+    """The seesaw's hand-overs from one consumer warpgroup to the other
+    (mbarriers at `barriers`, two per pipeline: each thread's own writes are
+    released by its own arrive): page a of each pair from consumer 0, page
+    b from consumer 1."""
+    consumer = pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS)
+    return [pipeline.PipelineAsync.create(
+        barrier_storage=barriers + 2 * page, num_stages=1, producer_group=consumer,
+        consumer_group=consumer, defer_sync=True) for page in range(2)]
+
+
+def seesaw_states():
+    """A consumer's pipeline states for the seesaw: the stages of a pair's
+    pages (page a in stage 0, page b in stage 1: each advances by
+    KV_STAGES per pair), and its side of the hand-overs (give, take)."""
+    page_a = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+    page_b = page_a.clone()
+    page_b.advance()
+    give = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+    take = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+    return page_a, page_b, give, take
 
 
 @cute.jit

@@ -64,7 +64,8 @@ from ..common.nonfinite import is_nonfinite
 from ..fwd_sm90.online_softmax import quad_allreduce, tile_row_max, update_row
 from .fp8_ops import PAGE_LAYOUT, STAGE_BYTES, V_LAYOUT, rcp_rn, transpose_page
 from .kernel import (CONSUMERS, KV_STAGES, LATENT, PAGE, ROWS, V_COLS, WG_THREADS,
-                     MlaDecodeSm90, SplitProblem, issue_product, mask_unseen_keys)
+                     MlaDecodeSm90, SplitProblem, hand_over_pipelines, issue_product,
+                     mask_unseen_keys, seesaw_states)
 
 ROPE = 64  # RoPE columns
 FP8_MAX = 448.0
@@ -252,12 +253,8 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                      CONSUMERS * WG_THREADS),
             defer_sync=True)
-        # One consumer's P and running state to the other: page a of each
-        # pair from consumer 0, page b from consumer 1.
-        consumer = pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS)
-        hands = [pipeline.PipelineAsync.create(
-            barrier_storage=storage.mbar_hand.data_ptr() + 2 * page, num_stages=1,
-            producer_group=consumer, consumer_group=consumer, defer_sync=True) for page in range(2)]
+        # One consumer's P and running state to the other.
+        hands = hand_over_pipelines(storage.mbar_hand.data_ptr())
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -385,14 +382,9 @@ class MlaDecodeFp8Sm90(MlaDecodeSm90):
         sHand = smem.row
 
         pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-        # Page a of every pair sits in stage 0, page b in stage 1; their V
-        # tiles move through pipe_v's stages in the same steps.
-        page_a = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
-        page_b = page_a.clone()
-        page_b.advance()
+        # The pages' V tiles move through pipe_v's stages in the same steps.
+        page_a, page_b, give, take = seesaw_states()
         hand_a, hand_b = hands
-        give = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        take = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         for i in cutlass.range(cute.ceil_div(split.tiles, 2), unroll=1):
             first_a = 2 * i * PAGE
             first_b = first_a + PAGE
